@@ -1,0 +1,190 @@
+//! Configuration and telemetry shared by every quire service.
+//!
+//! Configuration is layered, and this module is the one place that lists the
+//! layers: the built-in defaults (`defaults.toml`, compiled in), then an
+//! optional file, then environment variables `QUIRE_<SECTION>__<KEY>` (two
+//! underscores between levels, e.g. `QUIRE_KAFKA__BOOTSTRAP_SERVERS`).
+
+mod telemetry;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+pub use telemetry::{LogFormat, init_telemetry};
+
+const DEFAULTS: &str = include_str!("defaults.toml");
+
+/// Everything a quire service reads from its configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub log: LogSettings,
+    pub kafka: KafkaSettings,
+    pub s3: S3Settings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSettings {
+    pub format: LogFormat,
+}
+
+/// How to reach Kafka and which topics quire uses.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSettings {
+    pub bootstrap_servers: String,
+    pub transaction_timeout_ms: u64,
+    pub request_timeout_ms: u64,
+    pub topics: TopicNames,
+    /// librdkafka properties passed through as they are (TLS, SASL, tuning).
+    /// Keys are normalised by [`KafkaSettings::client_properties`].
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopicNames {
+    pub records: String,
+    pub report_events: String,
+    pub watermarks: String,
+    pub dead_letters: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3Settings {
+    pub endpoint: String,
+    pub region: String,
+    pub bucket: String,
+}
+
+impl KafkaSettings {
+    /// Settings for a broker at `bootstrap_servers` with every other value
+    /// at its default; handy for tools and tests.
+    pub fn for_bootstrap(bootstrap_servers: &str) -> Self {
+        let mut settings = defaults().kafka;
+        settings.bootstrap_servers = bootstrap_servers.to_owned();
+        settings
+    }
+
+    /// The pass-through librdkafka properties with dotted keys.
+    ///
+    /// Environment variable names cannot hold dots, so
+    /// `QUIRE_KAFKA__PROPERTIES__SSL_CA_LOCATION` arrives as `ssl_ca_location`;
+    /// librdkafka property names never contain `_`, so mapping `_` to `.` is
+    /// exact.
+    pub fn client_properties(&self) -> BTreeMap<String, String> {
+        self.properties
+            .iter()
+            .map(|(key, value)| (key.replace('_', "."), value.clone()))
+            .collect()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {path} cannot be read: {source}")]
+    File {
+        path: String,
+        source: config::ConfigError,
+    },
+    #[error("invalid configuration: {0}")]
+    Invalid(#[from] config::ConfigError),
+}
+
+/// Loads the settings: defaults, then `file` if given, then `QUIRE_` environment
+/// variables.
+pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+    load_from(file, Some(config::Environment::with_prefix("QUIRE")))
+}
+
+/// The built-in defaults alone, without file or environment.
+pub fn defaults() -> Settings {
+    load_from(None, None).expect("the built-in defaults are valid")
+}
+
+fn load_from(
+    file: Option<&Path>,
+    environment: Option<config::Environment>,
+) -> Result<Settings, ConfigError> {
+    let mut builder = config::Config::builder()
+        .add_source(config::File::from_str(DEFAULTS, config::FileFormat::Toml));
+    if let Some(path) = file {
+        if !path.exists() {
+            return Err(ConfigError::File {
+                path: path.display().to_string(),
+                source: config::ConfigError::Message("no such file".into()),
+            });
+        }
+        builder = builder.add_source(config::File::from(path).required(true));
+    }
+    if let Some(environment) = environment {
+        builder = builder.add_source(
+            environment
+                .prefix_separator("_")
+                .separator("__")
+                .try_parsing(true),
+        );
+    }
+    Ok(builder.build()?.try_deserialize()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_name_the_design_topics() {
+        let settings = defaults();
+        assert_eq!(settings.kafka.topics.records, "quire.records");
+        assert_eq!(settings.kafka.topics.watermarks, "quire.watermarks");
+        assert_eq!(settings.kafka.transaction_timeout_ms, 10_000);
+        assert_eq!(settings.log.format, LogFormat::Human);
+    }
+
+    #[test]
+    fn environment_overrides_defaults_and_nests_with_double_underscore() {
+        let environment = config::Environment::with_prefix("QUIRE").source(Some(
+            [
+                ("QUIRE_KAFKA__BOOTSTRAP_SERVERS", "10.0.0.1:9092"),
+                ("QUIRE_KAFKA__PROPERTIES__SSL_CA_LOCATION", "/etc/ca.pem"),
+                ("QUIRE_S3__BUCKET", "other"),
+                ("QUIRE_LOG__FORMAT", "json"),
+            ]
+            .into_iter()
+            .map(|(key, value)| (key.to_owned(), value.to_owned()))
+            .collect(),
+        ));
+        let settings = load_from(None, Some(environment)).unwrap();
+        assert_eq!(settings.kafka.bootstrap_servers, "10.0.0.1:9092");
+        assert_eq!(settings.s3.bucket, "other");
+        assert_eq!(settings.log.format, LogFormat::Json);
+        assert_eq!(
+            settings.kafka.client_properties().get("ssl.ca.location"),
+            Some(&"/etc/ca.pem".to_owned())
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let environment = config::Environment::with_prefix("QUIRE").source(Some(
+            [("QUIRE_KAFKA__BOOTSTRAP_SERVER".to_owned(), "x".to_owned())]
+                .into_iter()
+                .collect(),
+        ));
+        let error = load_from(None, Some(environment)).unwrap_err().to_string();
+        assert!(error.contains("bootstrap_server"), "{error}");
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let error = load(Some(Path::new("/nonexistent/quire.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("/nonexistent/quire.toml"), "{error}");
+    }
+}

@@ -1,0 +1,175 @@
+//! Topic creation and the start-up check that topics are what DESIGN.md says.
+
+use std::time::Duration;
+
+use quire_config::{KafkaSettings, TopicNames};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+
+use crate::QueueError;
+use crate::client::base_config;
+
+/// A topic with the partition count and settings quire relies on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicSpec {
+    pub name: String,
+    pub partitions: i32,
+    pub replication: i32,
+    pub config: Vec<(String, String)>,
+}
+
+const SEVEN_DAYS_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// The project's topics, per DESIGN.md.
+pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
+    let spec = |name: &str, partitions: i32, config: &[(&str, String)]| TopicSpec {
+        name: name.to_owned(),
+        partitions,
+        replication,
+        config: config
+            .iter()
+            .map(|(key, value)| ((*key).to_owned(), value.clone()))
+            .collect(),
+    };
+    vec![
+        spec(
+            &names.records,
+            12,
+            &[("retention.ms", SEVEN_DAYS_MS.to_string())],
+        ),
+        spec(
+            &names.watermarks,
+            12,
+            &[("cleanup.policy", "compact".to_owned())],
+        ),
+        spec(&names.report_events, 3, &[]),
+        spec(&names.dead_letters, 3, &[]),
+    ]
+}
+
+fn admin_client(settings: &KafkaSettings) -> Result<AdminClient<DefaultClientContext>, QueueError> {
+    base_config(settings)?.create().map_err(QueueError::Client)
+}
+
+fn options(settings: &KafkaSettings) -> AdminOptions {
+    AdminOptions::new().operation_timeout(Some(Duration::from_millis(settings.request_timeout_ms)))
+}
+
+/// Creates the topics that do not exist yet. Existing topics are left alone
+/// (use [`check_topics`] to verify them).
+pub async fn ensure_topics(
+    settings: &KafkaSettings,
+    specs: &[TopicSpec],
+) -> Result<(), QueueError> {
+    let admin = admin_client(settings)?;
+    let new_topics: Vec<NewTopic<'_>> = specs
+        .iter()
+        .map(|spec| {
+            spec.config.iter().fold(
+                NewTopic::new(
+                    &spec.name,
+                    spec.partitions,
+                    TopicReplication::Fixed(spec.replication),
+                ),
+                |topic, (key, value)| topic.set(key, value),
+            )
+        })
+        .collect();
+    let results = admin
+        .create_topics(&new_topics, &options(settings))
+        .await
+        .map_err(|error| QueueError::Admin(error.to_string()))?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => {
+                return Err(QueueError::Admin(format!("creating topic {topic}: {code}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Deletes topics (tests clean up after themselves with it).
+pub async fn delete_topics(settings: &KafkaSettings, names: &[&str]) -> Result<(), QueueError> {
+    let admin = admin_client(settings)?;
+    let results = admin
+        .delete_topics(names, &options(settings))
+        .await
+        .map_err(|error| QueueError::Admin(error.to_string()))?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((topic, code)) => {
+                return Err(QueueError::Admin(format!("deleting topic {topic}: {code}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Verifies that every topic exists with the expected partition count and
+/// settings. A changed partition count would move keys between partitions,
+/// so a service refuses to run on one.
+pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Result<(), QueueError> {
+    let admin = admin_client(settings)?;
+    let timeout = Duration::from_millis(settings.request_timeout_ms);
+    let metadata_client: BaseConsumer = base_config(settings)?
+        .create()
+        .map_err(QueueError::Client)?;
+    let metadata =
+        tokio::task::spawn_blocking(move || metadata_client.fetch_metadata(None, timeout))
+            .await?
+            .map_err(QueueError::Client)?;
+    let resources: Vec<ResourceSpecifier<'_>> = specs
+        .iter()
+        .map(|spec| ResourceSpecifier::Topic(&spec.name))
+        .collect();
+    let configs = admin
+        .describe_configs(&resources, &options(settings))
+        .await
+        .map_err(|error| QueueError::Admin(error.to_string()))?;
+    for (spec, config) in specs.iter().zip(configs) {
+        let found = metadata
+            .topics()
+            .iter()
+            .find(|topic| topic.name() == spec.name)
+            .filter(|topic| topic.error().is_none())
+            .ok_or_else(|| {
+                QueueError::TopicMismatch(format!(
+                    "topic {} does not exist (deploy/local/stack up creates it)",
+                    spec.name
+                ))
+            })?;
+        let partitions = found.partitions().len() as i32;
+        if partitions != spec.partitions {
+            return Err(QueueError::TopicMismatch(format!(
+                "topic {} has {partitions} partitions, expected {}",
+                spec.name, spec.partitions
+            )));
+        }
+        let config = config.map_err(|code| {
+            QueueError::TopicMismatch(format!("describing topic {}: {code}", spec.name))
+        })?;
+        // Retention may be tuned by the operator; compaction may not change,
+        // since the watermarks rely on it and the records must not be compacted.
+        let expected_policy = spec
+            .config
+            .iter()
+            .find(|(key, _)| key == "cleanup.policy")
+            .map_or("delete", |(_, value)| value.as_str());
+        let actual_policy = config
+            .get("cleanup.policy")
+            .and_then(|entry| entry.value.clone())
+            .unwrap_or_default();
+        if actual_policy != expected_policy {
+            return Err(QueueError::TopicMismatch(format!(
+                "topic {} has cleanup.policy={actual_policy}, expected {expected_policy}",
+                spec.name
+            )));
+        }
+    }
+    Ok(())
+}

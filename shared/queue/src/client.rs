@@ -1,0 +1,195 @@
+//! Building librdkafka client configurations, in one place.
+//!
+//! The user's pass-through properties go in first; then the properties the
+//! semantics depend on are set in code. A user property that names one of
+//! those is refused at start-up rather than silently overwritten, so nobody
+//! believes they changed something they did not.
+
+use quire_config::KafkaSettings;
+use rdkafka::ClientConfig;
+
+use crate::QueueError;
+
+/// Properties quire sets itself, with why. librdkafka aliases are listed too.
+pub const PROTECTED_PROPERTIES: &[(&str, &str)] = &[
+    (
+        "bootstrap.servers",
+        "set it through kafka.bootstrap_servers",
+    ),
+    (
+        "metadata.broker.list",
+        "set it through kafka.bootstrap_servers",
+    ),
+    (
+        "enable.auto.commit",
+        "quire commits once per array, only what is durable",
+    ),
+    (
+        "auto.commit.enable",
+        "quire commits once per array, only what is durable",
+    ),
+    ("enable.auto.offset.store", "quire commits explicit offsets"),
+    (
+        "isolation.level",
+        "consumers read only committed transactions",
+    ),
+    (
+        "auto.offset.reset",
+        "a new group starts at the beginning; a deleted offset is an error",
+    ),
+    (
+        "enable.partition.eof",
+        "drain mode detects the end of each partition",
+    ),
+    ("group.id", "set by the service"),
+    (
+        "group.instance.id",
+        "set by the service for static membership",
+    ),
+    ("partition.assignment.strategy", "set by the service"),
+    ("enable.idempotence", "array enqueue is idempotent"),
+    ("acks", "array enqueue waits for all in-sync replicas"),
+    (
+        "request.required.acks",
+        "array enqueue waits for all in-sync replicas",
+    ),
+    ("transactional.id", "set by the service, stable per replica"),
+    (
+        "transaction.timeout.ms",
+        "set it through kafka.transaction_timeout_ms",
+    ),
+    (
+        "partitioner",
+        "the stream-to-partition mapping must never change",
+    ),
+];
+
+/// The shared part of every client's configuration: bootstrap servers and
+/// the user's pass-through properties, validated.
+pub(crate) fn base_config(settings: &KafkaSettings) -> Result<ClientConfig, QueueError> {
+    let mut config = ClientConfig::new();
+    for (key, value) in settings.client_properties() {
+        if let Some((_, reason)) = PROTECTED_PROPERTIES
+            .iter()
+            .find(|(protected, _)| *protected == key)
+        {
+            return Err(QueueError::ProtectedProperty { key, reason });
+        }
+        config.set(key, value);
+    }
+    config.set("bootstrap.servers", &settings.bootstrap_servers);
+    Ok(config)
+}
+
+/// A transactional, idempotent producer's configuration.
+pub(crate) fn producer_config(
+    settings: &KafkaSettings,
+    transactional_id: &str,
+) -> Result<ClientConfig, QueueError> {
+    let mut config = base_config(settings)?;
+    // Throughput defaults the user may change: commit_transaction flushes at
+    // once, so a long linger costs no latency at the end of an array.
+    set_default(&mut config, "linger.ms", "50");
+    set_default(&mut config, "batch.size", "1048576");
+    config
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("transactional.id", transactional_id)
+        .set(
+            "transaction.timeout.ms",
+            settings.transaction_timeout_ms.to_string(),
+        )
+        // The Java client's partitioner, so every client maps a key alike.
+        .set("partitioner", "murmur2_random");
+    Ok(config)
+}
+
+/// A group consumer's configuration: read_committed, no auto commit, no
+/// silent offset reset, partition EOF events for drain mode.
+pub(crate) fn consumer_config(
+    settings: &KafkaSettings,
+    group_id: &str,
+    group_instance_id: Option<&str>,
+    cooperative: bool,
+) -> Result<ClientConfig, QueueError> {
+    let mut config = base_config(settings)?;
+    config
+        .set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("isolation.level", "read_committed")
+        // New partitions start at the beginning explicitly (see the rebalance
+        // callback); any other reset, e.g. a committed offset that retention
+        // deleted, surfaces as an error instead of a jump.
+        .set("auto.offset.reset", "error")
+        .set("enable.partition.eof", "true");
+    if cooperative {
+        config.set("partition.assignment.strategy", "cooperative-sticky");
+    }
+    if let Some(instance_id) = group_instance_id {
+        config.set("group.instance.id", instance_id);
+    }
+    Ok(config)
+}
+
+fn set_default(config: &mut ClientConfig, key: &str, value: &str) {
+    if config.get(key).is_none() {
+        config.set(key, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings_with(key: &str, value: &str) -> KafkaSettings {
+        let mut settings = KafkaSettings::for_bootstrap("127.0.0.1:1");
+        settings.properties.insert(key.to_owned(), value.to_owned());
+        settings
+    }
+
+    #[test]
+    fn a_protected_property_is_refused_by_name() {
+        for key in [
+            "enable.auto.commit",
+            "isolation_level",
+            "acks",
+            "partitioner",
+        ] {
+            let error = base_config(&settings_with(key, "x")).unwrap_err();
+            let dotted = key.replace('_', ".");
+            assert!(
+                matches!(&error, QueueError::ProtectedProperty { key, .. } if *key == dotted),
+                "{error}"
+            );
+            assert!(error.to_string().contains(&dotted));
+        }
+    }
+
+    #[test]
+    fn other_properties_pass_through() {
+        let config = producer_config(&settings_with("security.protocol", "ssl"), "t").unwrap();
+        assert_eq!(config.get("security.protocol"), Some("ssl"));
+        assert_eq!(config.get("enable.idempotence"), Some("true"));
+        assert_eq!(config.get("transaction.timeout.ms"), Some("10000"));
+    }
+
+    #[test]
+    fn tuning_defaults_yield_to_the_user() {
+        let config = producer_config(&settings_with("linger.ms", "5"), "t").unwrap();
+        assert_eq!(config.get("linger.ms"), Some("5"));
+    }
+
+    #[test]
+    fn consumers_read_committed_without_auto_commit() {
+        let settings = KafkaSettings::for_bootstrap("127.0.0.1:1");
+        let config = consumer_config(&settings, "g", Some("r-1"), true).unwrap();
+        assert_eq!(config.get("isolation.level"), Some("read_committed"));
+        assert_eq!(config.get("enable.auto.commit"), Some("false"));
+        assert_eq!(config.get("group.instance.id"), Some("r-1"));
+        assert_eq!(
+            config.get("partition.assignment.strategy"),
+            Some("cooperative-sticky")
+        );
+    }
+}

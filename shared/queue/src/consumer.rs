@@ -1,0 +1,486 @@
+//! Array dequeue and one commit per array.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use quire_config::KafkaSettings;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::client::consumer_config;
+use crate::context::{QueueContext, RebalanceEvent};
+use crate::producer::OffsetsInTransaction;
+use crate::{InMessage, MessageId, OutMessage, QueueError, TransactionalProducer};
+
+/// Who this consumer is in its group.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    pub group_id: String,
+    /// One topic per consumer: partitions are then named by number alone,
+    /// which is what librdkafka's partition-EOF events carry.
+    pub topic: String,
+    /// Static membership: a restart within the session timeout keeps the
+    /// partitions instead of rebalancing the whole group.
+    pub group_instance_id: Option<String>,
+    /// Cooperative-sticky assignment: a rebalance moves only what must move.
+    pub cooperative: bool,
+}
+
+impl ConsumerOptions {
+    pub fn new(group_id: impl Into<String>, topic: impl Into<String>) -> Self {
+        ConsumerOptions {
+            group_id: group_id.into(),
+            topic: topic.into(),
+            group_instance_id: None,
+            cooperative: false,
+        }
+    }
+}
+
+/// Why `next_array` returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArrayEnd {
+    /// It holds `max` messages.
+    Full,
+    /// `max_wait` passed first (the array may be empty).
+    Timeout,
+}
+
+/// One dequeued array and the assignment it was read under.
+#[derive(Debug, Clone)]
+pub struct Array {
+    pub messages: Vec<InMessage>,
+    /// Assignments and revocations that happened while this array was read,
+    /// in order. Messages of a partition revoked during the read are not in
+    /// `messages`: they belong to the next owner.
+    pub rebalances: Vec<RebalanceEvent>,
+    pub end: ArrayEnd,
+    /// Whether every assigned partition had been read to its end (last stable
+    /// offset) when the array was returned, with an assignment held.
+    pub caught_up: bool,
+    pub waited: Duration,
+    /// Assigned partitions and their epochs when the array was returned.
+    assignment: BTreeMap<i32, u64>,
+}
+
+impl Array {
+    pub fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    /// The partitions this array was read under.
+    pub fn assigned_partitions(&self) -> impl Iterator<Item = i32> + '_ {
+        self.assignment.keys().copied()
+    }
+
+    /// For every partition the array touched, the offset after its last message.
+    pub fn next_offsets(&self) -> BTreeMap<i32, i64> {
+        let mut offsets = BTreeMap::new();
+        for message in &self.messages {
+            let next = offsets
+                .entry(message.partition)
+                .or_insert(message.offset + 1);
+            *next = (*next).max(message.offset + 1);
+        }
+        offsets
+    }
+}
+
+/// What a commit did: the offsets committed, and the partitions dropped from
+/// it because they were revoked since the array was read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitOutcome {
+    pub committed: BTreeMap<i32, i64>,
+    pub dropped: Vec<i32>,
+}
+
+/// A transactional commit: the offsets and the ids of the messages produced
+/// in the same transaction.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransactionOutcome {
+    pub commit: CommitOutcome,
+    pub ids: Vec<MessageId>,
+}
+
+/// Why a drain loop stopped: the seed's two exit scenarios, once caught up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainExit {
+    /// An array shorter than `max` (scenario one).
+    ShortArray,
+    /// A wait that returned nothing (scenario two).
+    EmptyWait,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainSummary {
+    pub arrays: usize,
+    pub messages: usize,
+    pub exit: DrainExit,
+}
+
+/// A group consumer that dequeues arrays: read_committed, no auto commit.
+pub struct ArrayConsumer {
+    consumer: Arc<BaseConsumer<QueueContext>>,
+    /// Held while polling and while checking-and-committing, so a rebalance
+    /// callback cannot run between the check of a partition and its commit.
+    poll_lock: Arc<Mutex<()>>,
+    topic: String,
+    timeout: Duration,
+}
+
+impl ArrayConsumer {
+    /// Creates the consumer and subscribes; the group assigns partitions
+    /// during the first `next_array`.
+    pub fn new(settings: &KafkaSettings, options: &ConsumerOptions) -> Result<Self, QueueError> {
+        let config = consumer_config(
+            settings,
+            &options.group_id,
+            options.group_instance_id.as_deref(),
+            options.cooperative,
+        )?;
+        let timeout = Duration::from_millis(settings.request_timeout_ms);
+        let context = QueueContext::new(&options.topic, timeout);
+        let consumer: BaseConsumer<QueueContext> = config
+            .create_with_context(context)
+            .map_err(QueueError::Client)?;
+        consumer
+            .subscribe(&[&options.topic])
+            .map_err(QueueError::Client)?;
+        Ok(ArrayConsumer {
+            consumer: Arc::new(consumer),
+            poll_lock: Arc::new(Mutex::new(())),
+            topic: options.topic.clone(),
+            timeout,
+        })
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The partitions assigned now.
+    pub fn assignment(&self) -> Vec<i32> {
+        self.consumer
+            .context()
+            .lock()
+            .assigned
+            .keys()
+            .copied()
+            .collect()
+    }
+
+    /// Returns as soon as `max` messages are held, or when `max_wait` has
+    /// passed (possibly with none), across all assigned partitions.
+    pub async fn next_array(&self, max: usize, max_wait: Duration) -> Result<Array, QueueError> {
+        let consumer = Arc::clone(&self.consumer);
+        let poll_lock = Arc::clone(&self.poll_lock);
+        let topic: Arc<str> = Arc::from(self.topic.as_str());
+        tokio::task::spawn_blocking(move || {
+            let _polling = poll_lock.lock().expect("poll lock");
+            read_array(&consumer, &topic, max, max_wait)
+        })
+        .await?
+    }
+
+    /// The simple commit: for every partition the array touched, the offset
+    /// after its last message.
+    pub async fn commit(&self, array: &Array) -> Result<CommitOutcome, QueueError> {
+        self.commit_offsets(array, array.next_offsets()).await
+    }
+
+    /// The general commit: explicit next offsets per partition. Partitions
+    /// revoked since `array` was read are dropped and reported.
+    pub async fn commit_offsets(
+        &self,
+        array: &Array,
+        offsets: BTreeMap<i32, i64>,
+    ) -> Result<CommitOutcome, QueueError> {
+        let consumer = Arc::clone(&self.consumer);
+        let poll_lock = Arc::clone(&self.poll_lock);
+        let topic = self.topic.clone();
+        let assignment = array.assignment.clone();
+        tokio::task::spawn_blocking(move || {
+            let _no_rebalance = poll_lock.lock().expect("poll lock");
+            let outcome = still_owned(&consumer, &assignment, offsets);
+            if outcome.committed.is_empty() {
+                return Ok(outcome);
+            }
+            let list = offset_list(&topic, &outcome.committed)?;
+            consumer
+                .commit(&list, CommitMode::Sync)
+                .map_err(QueueError::Commit)?;
+            Ok(outcome)
+        })
+        .await?
+    }
+
+    /// The transactional commit: `messages` and the offsets go out in one
+    /// producer transaction, with this consumer's group metadata, so the
+    /// broker refuses the offsets of a fenced or stale member. `offsets`
+    /// defaults to the simple form. All of it is visible, or none.
+    pub async fn commit_in_transaction(
+        &self,
+        array: &Array,
+        offsets: Option<BTreeMap<i32, i64>>,
+        producer: &TransactionalProducer,
+        messages: Vec<OutMessage>,
+    ) -> Result<TransactionOutcome, QueueError> {
+        let consumer = Arc::clone(&self.consumer);
+        let poll_lock = Arc::clone(&self.poll_lock);
+        let topic = self.topic.clone();
+        let assignment = array.assignment.clone();
+        let offsets = offsets.unwrap_or_else(|| array.next_offsets());
+        let producer = producer.clone();
+        tokio::task::spawn_blocking(move || {
+            let _no_rebalance = poll_lock.lock().expect("poll lock");
+            let commit = still_owned(&consumer, &assignment, offsets);
+            let group_metadata = consumer.group_metadata().ok_or_else(|| {
+                QueueError::Commit(KafkaError::ConsumerCommit(RDKafkaErrorCode::InvalidGroupId))
+            })?;
+            let list = offset_list(&topic, &commit.committed)?;
+            let in_transaction = (!commit.committed.is_empty()).then_some(OffsetsInTransaction {
+                offsets: &list,
+                group_metadata: &group_metadata,
+            });
+            let ids = producer.transact_blocking(&messages, in_transaction)?;
+            Ok(TransactionOutcome { commit, ids })
+        })
+        .await?
+    }
+
+    /// The committed offsets of the assigned partitions, read from the group
+    /// coordinator.
+    pub async fn committed_offsets(&self) -> Result<BTreeMap<i32, i64>, QueueError> {
+        let consumer = Arc::clone(&self.consumer);
+        let timeout = self.timeout;
+        tokio::task::spawn_blocking(move || {
+            let committed = consumer.committed(timeout).map_err(QueueError::Consume)?;
+            Ok(committed
+                .elements()
+                .iter()
+                .filter_map(|element| match element.offset() {
+                    Offset::Offset(offset) => Some((element.partition(), offset)),
+                    _ => None,
+                })
+                .collect())
+        })
+        .await?
+    }
+
+    /// The seed's dequeue loop: arrays of at most `max`, each handed to
+    /// `process` and then committed (simple form), until the consumer is
+    /// caught up and an array comes back short (scenario one) or empty
+    /// (scenario two). The loop ends after that last array is committed.
+    pub async fn drain<F>(
+        &self,
+        max: usize,
+        max_wait: Duration,
+        mut process: F,
+    ) -> Result<DrainSummary, QueueError>
+    where
+        F: FnMut(&Array),
+    {
+        let mut arrays = 0;
+        let mut messages = 0;
+        loop {
+            let array = self.next_array(max, max_wait).await?;
+            process(&array);
+            if !array.is_empty() {
+                arrays += 1;
+                messages += array.len();
+                self.commit(&array).await?;
+            }
+            if !array.caught_up || array.len() >= max {
+                continue;
+            }
+            let exit = if array.is_empty() {
+                DrainExit::EmptyWait
+            } else {
+                DrainExit::ShortArray
+            };
+            return Ok(DrainSummary {
+                arrays,
+                messages,
+                exit,
+            });
+        }
+    }
+}
+
+/// The polling loop behind `next_array`; runs on a blocking thread.
+fn read_array(
+    consumer: &BaseConsumer<QueueContext>,
+    topic: &Arc<str>,
+    max: usize,
+    max_wait: Duration,
+) -> Result<Array, QueueError> {
+    let started = Instant::now();
+    let deadline = started + max_wait;
+    let mut messages: Vec<InMessage> = Vec::with_capacity(max.min(65_536));
+    let mut rebalances = Vec::new();
+    let end = loop {
+        if messages.len() >= max {
+            break ArrayEnd::Full;
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            break ArrayEnd::Timeout;
+        }
+        let polled = consumer.poll(remaining);
+        take_rebalance_events(consumer, &mut messages, &mut rebalances)?;
+        match polled {
+            None => {}
+            Some(Ok(message)) => {
+                consumer
+                    .context()
+                    .lock()
+                    .at_end
+                    .remove(&message.partition());
+                messages.push(owned(topic, &message));
+            }
+            Some(Err(KafkaError::PartitionEOF(partition))) => {
+                consumer.context().lock().at_end.insert(partition);
+            }
+            Some(Err(KafkaError::MessageConsumption(RDKafkaErrorCode::AutoOffsetReset))) => {
+                return Err(QueueError::OffsetOutOfRange {
+                    topic: topic.to_string(),
+                    partition: out_of_range_partition(consumer),
+                });
+            }
+            Some(Err(error)) if is_transient(&error) => {
+                tracing::warn!(error = %error, "transient consumer error");
+            }
+            Some(Err(error)) => return Err(QueueError::Consume(error)),
+        }
+    };
+    let state = consumer.context().lock();
+    Ok(Array {
+        messages,
+        rebalances,
+        end,
+        caught_up: state.caught_up(),
+        waited: started.elapsed(),
+        assignment: state.assigned.clone(),
+    })
+}
+
+/// Moves the rebalance events seen during a poll into the array, dropping the
+/// messages of partitions revoked meanwhile.
+fn take_rebalance_events(
+    consumer: &BaseConsumer<QueueContext>,
+    messages: &mut Vec<InMessage>,
+    rebalances: &mut Vec<RebalanceEvent>,
+) -> Result<(), QueueError> {
+    let mut state = consumer.context().lock();
+    if let Some(error) = state.callback_error.take() {
+        return Err(QueueError::Consume(error));
+    }
+    for event in state.pending_events.drain(..) {
+        if let RebalanceEvent::Revoked { partitions, .. } = &event {
+            messages.retain(|message| !partitions.contains(&message.partition));
+        }
+        rebalances.push(event);
+    }
+    Ok(())
+}
+
+/// Keeps the partitions still assigned under the same epoch as when the array
+/// was read; reports the others.
+fn still_owned(
+    consumer: &BaseConsumer<QueueContext>,
+    read_under: &BTreeMap<i32, u64>,
+    offsets: BTreeMap<i32, i64>,
+) -> CommitOutcome {
+    let state = consumer.context().lock();
+    let mut outcome = CommitOutcome::default();
+    for (partition, offset) in offsets {
+        let owned_then = read_under.get(&partition);
+        if owned_then.is_some() && owned_then == state.assigned.get(&partition) {
+            outcome.committed.insert(partition, offset);
+        } else {
+            outcome.dropped.push(partition);
+        }
+    }
+    if !outcome.dropped.is_empty() {
+        tracing::info!(partitions = ?outcome.dropped, "dropped revoked partitions from a commit");
+    }
+    outcome
+}
+
+fn offset_list(
+    topic: &str,
+    offsets: &BTreeMap<i32, i64>,
+) -> Result<TopicPartitionList, QueueError> {
+    let mut list = TopicPartitionList::with_capacity(offsets.len());
+    for (&partition, &offset) in offsets {
+        list.add_partition_offset(topic, partition, Offset::Offset(offset))
+            .map_err(QueueError::Commit)?;
+    }
+    Ok(list)
+}
+
+fn owned(topic: &Arc<str>, message: &rdkafka::message::BorrowedMessage<'_>) -> InMessage {
+    let headers = message
+        .headers()
+        .map(|headers| {
+            headers
+                .iter()
+                .map(|header| {
+                    (
+                        header.key.to_owned(),
+                        header.value.map(<[u8]>::to_vec).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    InMessage {
+        topic: Arc::clone(topic),
+        partition: message.partition(),
+        offset: message.offset(),
+        key: message.key().map(<[u8]>::to_vec),
+        payload: message.payload().map(<[u8]>::to_vec),
+        headers,
+        timestamp_ms: message.timestamp().to_millis(),
+    }
+}
+
+/// librdkafka reports the partition of an offset reset only in its text; the
+/// assignment tells which partitions have no valid position.
+fn out_of_range_partition(consumer: &BaseConsumer<QueueContext>) -> i32 {
+    consumer
+        .position()
+        .ok()
+        .and_then(|positions| {
+            positions
+                .elements()
+                .iter()
+                .find(|element| !matches!(element.offset(), Offset::Offset(_)))
+                .map(|element| element.partition())
+        })
+        .unwrap_or(-1)
+}
+
+/// Errors librdkafka recovers from by itself (broker restarts, leader moves).
+fn is_transient(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::NotLeaderForPartition
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::NetworkException
+                | RDKafkaErrorCode::Resolve
+        )
+    )
+}

@@ -1,0 +1,51 @@
+use rdkafka::error::KafkaError;
+
+/// Everything the array queue can fail with. Cloneable, because a failed
+/// group-commit transaction hands the same error to every caller in it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum QueueError {
+    #[error(
+        "kafka property `{key}` is set by quire and cannot be overridden ({reason}); remove it from kafka.properties"
+    )]
+    ProtectedProperty { key: String, reason: &'static str },
+
+    #[error("kafka client could not be created: {0}")]
+    Client(KafkaError),
+
+    #[error("kafka transaction failed and was aborted: nothing of it is visible: {0}")]
+    TransactionAborted(KafkaError),
+
+    #[error(
+        "kafka producer hit a fatal error (fenced by a newer instance or unusable); it must be recreated: {0}"
+    )]
+    ProducerFatal(KafkaError),
+
+    #[error("kafka consumer error: {0}")]
+    Consume(KafkaError),
+
+    #[error(
+        "committed offset of {topic}[{partition}] is out of range (deleted by retention?); refusing to jump silently"
+    )]
+    OffsetOutOfRange { topic: String, partition: i32 },
+
+    #[error("kafka offset commit failed: {0}")]
+    Commit(KafkaError),
+
+    #[error("kafka admin operation failed: {0}")]
+    Admin(String),
+
+    #[error("topic check failed: {0}")]
+    TopicMismatch(String),
+
+    #[error("the group-commit task has stopped")]
+    EnqueuerStopped,
+
+    #[error("blocking kafka task panicked or was cancelled: {0}")]
+    Join(String),
+}
+
+impl From<tokio::task::JoinError> for QueueError {
+    fn from(error: tokio::task::JoinError) -> Self {
+        QueueError::Join(error.to_string())
+    }
+}

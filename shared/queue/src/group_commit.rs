@@ -1,0 +1,113 @@
+//! Group commit: arrays that arrive together share one transaction.
+//!
+//! A Kafka producer has one open transaction at a time. Rather than one
+//! transaction round trip per request, a single task takes every array
+//! waiting when the previous transaction ends, publishes them all in the next
+//! one, and answers each caller when it commits. If it fails, every caller in
+//! it gets the error and none of their arrays is visible.
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{MessageId, OutMessage, QueueError, TransactionalProducer};
+
+/// Bounds on one group-commit transaction and on the waiting line.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupCommitLimits {
+    /// Stop adding arrays to a transaction past this many messages (an array
+    /// larger than this still goes alone, whole).
+    pub max_messages: usize,
+    /// The same, in payload bytes.
+    pub max_bytes: usize,
+    /// Arrays that may wait for the next transaction; callers beyond that
+    /// wait for room (the caller decides whether to time out).
+    pub queue_depth: usize,
+}
+
+impl Default for GroupCommitLimits {
+    fn default() -> Self {
+        GroupCommitLimits {
+            max_messages: 50_000,
+            max_bytes: 64 * 1024 * 1024,
+            queue_depth: 1024,
+        }
+    }
+}
+
+struct Request {
+    messages: Vec<OutMessage>,
+    reply: oneshot::Sender<Result<Vec<MessageId>, QueueError>>,
+}
+
+/// The front of a transactional producer for concurrent callers.
+#[derive(Clone)]
+pub struct ArrayEnqueuer {
+    requests: mpsc::Sender<Request>,
+}
+
+impl ArrayEnqueuer {
+    /// Starts the group-commit task on the current runtime. It ends when every
+    /// clone of the enqueuer is dropped.
+    pub fn start(producer: TransactionalProducer, limits: GroupCommitLimits) -> Self {
+        let (requests, receiver) = mpsc::channel(limits.queue_depth.max(1));
+        tokio::spawn(run_group_commit(producer, limits, receiver));
+        ArrayEnqueuer { requests }
+    }
+
+    /// ENQUEUE_ARRAY: publishes `messages` atomically (possibly in a
+    /// transaction shared with other callers' arrays) and returns one id per
+    /// message, in order.
+    pub async fn enqueue_array(
+        &self,
+        messages: Vec<OutMessage>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        let (reply, answer) = oneshot::channel();
+        self.requests
+            .send(Request { messages, reply })
+            .await
+            .map_err(|_| QueueError::EnqueuerStopped)?;
+        answer.await.map_err(|_| QueueError::EnqueuerStopped)?
+    }
+}
+
+async fn run_group_commit(
+    producer: TransactionalProducer,
+    limits: GroupCommitLimits,
+    mut receiver: mpsc::Receiver<Request>,
+) {
+    while let Some(first) = receiver.recv().await {
+        let mut group = vec![first];
+        let mut messages = group[0].messages.len();
+        let mut bytes = payload_bytes(&group[0].messages);
+        while messages < limits.max_messages && bytes < limits.max_bytes {
+            let Ok(next) = receiver.try_recv() else { break };
+            messages += next.messages.len();
+            bytes += payload_bytes(&next.messages);
+            group.push(next);
+        }
+        let sizes: Vec<usize> = group.iter().map(|request| request.messages.len()).collect();
+        let mut replies = Vec::with_capacity(group.len());
+        let mut all_messages = Vec::with_capacity(messages);
+        for request in group {
+            all_messages.extend(request.messages);
+            replies.push(request.reply);
+        }
+        tracing::debug!(arrays = sizes.len(), messages, bytes, "group commit");
+        match producer.transact(all_messages).await {
+            Ok(ids) => {
+                let mut ids = ids.into_iter();
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let _caller_may_be_gone = reply.send(Ok(ids.by_ref().take(size).collect()));
+                }
+            }
+            Err(error) => {
+                for reply in replies {
+                    let _caller_may_be_gone = reply.send(Err(error.clone()));
+                }
+            }
+        }
+    }
+}
+
+fn payload_bytes(messages: &[OutMessage]) -> usize {
+    messages.iter().map(OutMessage::approximate_size).sum()
+}

@@ -1,0 +1,44 @@
+//! The array queue: the seed's ENQUEUE_ARRAY / DEQUEUE_ARRAY, done on Kafka.
+//!
+//! - [`TransactionalProducer::transact`] publishes an array of messages in one
+//!   Kafka transaction (idempotent, `acks=all`) and returns one [`MessageId`]
+//!   per message, in order. [`ArrayEnqueuer`] lets several callers' arrays
+//!   share one transaction (group commit): all of them are visible or none.
+//! - [`ArrayConsumer::next_array`] returns up to `max` committed messages,
+//!   waiting at most `max_wait`, across every assigned partition.
+//! - One commit per array: [`ArrayConsumer::commit`] (after the last message
+//!   of each partition), [`ArrayConsumer::commit_offsets`] (explicit offsets)
+//!   and [`ArrayConsumer::commit_in_transaction`] (offsets inside a producer
+//!   transaction with the group metadata, so a fenced or stale member cannot
+//!   commit).
+//!
+//! Array does not imply bulk unless it is bulk underneath: librdkafka batches
+//! produce requests and prefetches fetches, one transaction ends per array and
+//! one offset commit is sent per array. Nothing here does a round trip per
+//! message. Every blocking librdkafka call runs on tokio's blocking pool,
+//! never on an async worker thread.
+
+mod admin;
+mod client;
+mod consumer;
+mod context;
+mod error;
+mod group_commit;
+mod message;
+mod producer;
+
+pub use admin::{TopicSpec, check_topics, delete_topics, design_topics, ensure_topics};
+pub use client::PROTECTED_PROPERTIES;
+pub use consumer::{
+    Array, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit, DrainSummary,
+    TransactionOutcome,
+};
+pub use context::RebalanceEvent;
+pub use error::QueueError;
+pub use group_commit::{ArrayEnqueuer, GroupCommitLimits};
+pub use message::{InMessage, MessageId, OutMessage};
+pub use producer::{ProducerStatistics, TransactionalProducer};
+
+/// Re-exported so callers can read librdkafka's statistics without naming
+/// the rdkafka version themselves.
+pub use rdkafka::statistics::Statistics;

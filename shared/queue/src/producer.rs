@@ -1,0 +1,255 @@
+//! A transactional producer: one array, one transaction.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use quire_config::KafkaSettings;
+use rdkafka::consumer::ConsumerGroupMetadata;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::statistics::Statistics;
+use rdkafka::{ClientContext, TopicPartitionList};
+
+use crate::client::producer_config;
+use crate::{MessageId, OutMessage, QueueError};
+
+/// How often a commit that librdkafka calls retriable is tried again.
+const COMMIT_ATTEMPTS: usize = 3;
+
+/// Keeps the latest librdkafka statistics (when `statistics.interval.ms` is
+/// set) and forwards librdkafka's logs to tracing.
+#[derive(Default, Clone)]
+pub struct ProducerStatistics {
+    latest: Arc<Mutex<Option<Statistics>>>,
+}
+
+impl ProducerStatistics {
+    /// The latest statistics librdkafka emitted, if any.
+    pub fn latest(&self) -> Option<Statistics> {
+        self.latest.lock().expect("statistics lock").clone()
+    }
+}
+
+impl ClientContext for ProducerStatistics {
+    fn stats(&self, statistics: Statistics) {
+        *self.latest.lock().expect("statistics lock") = Some(statistics);
+    }
+}
+
+/// A transactional, idempotent (`acks=all`) producer. One call to
+/// [`transact`](Self::transact) is one Kafka transaction.
+///
+/// Calls are serialised: a Kafka producer has one open transaction at a time.
+/// Use [`crate::ArrayEnqueuer`] to let concurrent callers share transactions.
+#[derive(Clone)]
+pub struct TransactionalProducer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    producer: FutureProducer<ProducerStatistics>,
+    statistics: ProducerStatistics,
+    transactional_id: String,
+    timeout: Duration,
+    /// One open transaction at a time.
+    transaction_lock: Mutex<()>,
+    /// Set once librdkafka reports a fatal error (fenced): the producer is dead.
+    fatal: AtomicBool,
+}
+
+/// Consumer offsets to commit inside a transaction, with the consumer's group
+/// metadata so the broker refuses them from a fenced or stale member.
+pub(crate) struct OffsetsInTransaction<'a> {
+    pub offsets: &'a TopicPartitionList,
+    pub group_metadata: &'a ConsumerGroupMetadata,
+}
+
+impl TransactionalProducer {
+    /// Creates the producer and initialises its transactions, which fences any
+    /// older producer with the same `transactional_id` and aborts its open
+    /// transaction.
+    pub async fn connect(
+        settings: &KafkaSettings,
+        transactional_id: &str,
+    ) -> Result<Self, QueueError> {
+        let config = producer_config(settings, transactional_id)?;
+        let statistics = ProducerStatistics::default();
+        let producer: FutureProducer<ProducerStatistics> = config
+            .create_with_context(statistics.clone())
+            .map_err(QueueError::Client)?;
+        let timeout = Duration::from_millis(settings.request_timeout_ms);
+        let producer = tokio::task::spawn_blocking(move || {
+            producer
+                .init_transactions(timeout)
+                .map(|()| producer)
+                .map_err(QueueError::Client)
+        })
+        .await??;
+        tracing::debug!(transactional_id, "transactional producer ready");
+        Ok(TransactionalProducer {
+            inner: Arc::new(Inner {
+                producer,
+                statistics,
+                transactional_id: transactional_id.to_owned(),
+                timeout,
+                transaction_lock: Mutex::new(()),
+                fatal: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    pub fn transactional_id(&self) -> &str {
+        &self.inner.transactional_id
+    }
+
+    /// librdkafka's statistics, refreshed every `statistics.interval.ms`.
+    pub fn statistics(&self) -> &ProducerStatistics {
+        &self.inner.statistics
+    }
+
+    /// Publishes `messages` in one transaction: all visible to read_committed
+    /// consumers or none. Returns one id per message, in order.
+    pub async fn transact(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || inner.transact_blocking(&messages, None)).await?
+    }
+
+    /// The blocking form, for callers already on a blocking thread.
+    pub(crate) fn transact_blocking(
+        &self,
+        messages: &[OutMessage],
+        offsets: Option<OffsetsInTransaction<'_>>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        self.inner.transact_blocking(messages, offsets)
+    }
+}
+
+impl Inner {
+    fn transact_blocking(
+        &self,
+        messages: &[OutMessage],
+        offsets: Option<OffsetsInTransaction<'_>>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
+        if self.fatal.load(Ordering::Acquire) {
+            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fatal,
+            )));
+        }
+        self.producer
+            .begin_transaction()
+            .map_err(|error| self.classify(error))?;
+        match self.send_and_commit(messages, offsets) {
+            Ok(ids) => Ok(ids),
+            Err(error) => {
+                if !matches!(error, QueueError::ProducerFatal(_)) {
+                    if let Err(abort_error) = self.producer.abort_transaction(self.timeout) {
+                        tracing::warn!(error = %abort_error, "abort of a failed transaction failed");
+                        self.classify(abort_error);
+                    }
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn send_and_commit(
+        &self,
+        messages: &[OutMessage],
+        offsets: Option<OffsetsInTransaction<'_>>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        let mut deliveries = Vec::with_capacity(messages.len());
+        for message in messages {
+            deliveries.push(self.send_one(message)?);
+        }
+        if let Some(offsets) = offsets {
+            self.producer
+                .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
+                .map_err(|error| self.classify(error))?;
+        }
+        self.commit_with_retries()?;
+        // Committed: every delivery report has arrived (commit flushes).
+        deliveries
+            .into_iter()
+            .map(|delivery| match futures::executor::block_on(delivery) {
+                Ok(Ok(delivered)) => Ok(MessageId {
+                    partition: delivered.partition,
+                    offset: delivered.offset,
+                }),
+                Ok(Err((error, _))) => Err(QueueError::TransactionAborted(error)),
+                Err(_cancelled) => Err(QueueError::TransactionAborted(KafkaError::Canceled)),
+            })
+            .collect()
+    }
+
+    /// Queues one message, waiting while librdkafka's local queue is full.
+    fn send_one(&self, message: &OutMessage) -> Result<DeliveryFuture, QueueError> {
+        let deadline = std::time::Instant::now() + self.timeout;
+        loop {
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&message.topic).payload(message.payload.as_slice());
+            if let Some(key) = &message.key {
+                record = record.key(key.as_slice());
+            }
+            if let Some(partition) = message.partition {
+                record = record.partition(partition);
+            }
+            if !message.headers.is_empty() {
+                let headers =
+                    message
+                        .headers
+                        .iter()
+                        .fold(OwnedHeaders::new(), |headers, (name, value)| {
+                            headers.insert(Header {
+                                key: name,
+                                value: Some(value.as_slice()),
+                            })
+                        });
+                record = record.headers(headers);
+            }
+            match self.producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
+                    if std::time::Instant::now() < deadline =>
+                {
+                    // The local queue drains as batches are acknowledged.
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err((error, _)) => return Err(self.classify(error)),
+            }
+        }
+    }
+
+    fn commit_with_retries(&self) -> Result<(), QueueError> {
+        let mut attempt = 1;
+        loop {
+            match self.producer.commit_transaction(self.timeout) {
+                Ok(()) => return Ok(()),
+                Err(KafkaError::Transaction(error))
+                    if error.is_retriable() && attempt < COMMIT_ATTEMPTS =>
+                {
+                    tracing::warn!(attempt, error = %error, "transaction commit is retriable; retrying");
+                    attempt += 1;
+                }
+                Err(error) => return Err(self.classify(error)),
+            }
+        }
+    }
+
+    /// Maps a librdkafka error to ours, remembering fatal ones.
+    fn classify(&self, error: KafkaError) -> QueueError {
+        let fatal = match &error {
+            KafkaError::Transaction(transaction_error) => transaction_error.is_fatal(),
+            other => other.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal),
+        };
+        if fatal {
+            self.fatal.store(true, Ordering::Release);
+            tracing::error!(transactional_id = %self.transactional_id, error = %error, "producer is fenced or unusable");
+            QueueError::ProducerFatal(error)
+        } else {
+            QueueError::TransactionAborted(error)
+        }
+    }
+}
