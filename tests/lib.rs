@@ -1,1 +1,252 @@
+//! Helpers shared by the integration tests and the benchmarks: settings from
+//! the running local stack, unique names, and topics that clean up after
+//! themselves.
+//!
+//! Nothing here skips: a test that needs Kafka and cannot reach it fails,
+//! with a message that says how to start the stack.
 
+use std::time::Duration;
+
+use quire_config::KafkaSettings;
+use quire_queue::TopicSpec;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
+
+/// Where the stack's Kafka is, from `eval "$(deploy/local/stack env)"`.
+pub fn kafka_settings() -> KafkaSettings {
+    let bootstrap = std::env::var("QUIRE_KAFKA__BOOTSTRAP_SERVERS").unwrap_or_else(|_| {
+        panic!(
+            "QUIRE_KAFKA__BOOTSTRAP_SERVERS is not set: start the stack with \
+             `deploy/local/stack up` and `eval \"$(deploy/local/stack env)\"`, \
+             or run the tests through `deploy/local/test`"
+        )
+    });
+    KafkaSettings::for_bootstrap(&bootstrap)
+}
+
+/// `prefix` plus a random suffix: every test gets its own topics and groups.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A topic made for one test and deleted when dropped.
+pub struct TestTopic {
+    pub name: String,
+    pub partitions: i32,
+    settings: KafkaSettings,
+}
+
+impl TestTopic {
+    pub async fn create(prefix: &str, partitions: i32) -> TestTopic {
+        Self::create_with(prefix, partitions, &[]).await
+    }
+
+    pub async fn create_with(prefix: &str, partitions: i32, config: &[(&str, &str)]) -> TestTopic {
+        let settings = kafka_settings();
+        let name = unique(&format!("test.{prefix}"));
+        let spec = TopicSpec {
+            name: name.clone(),
+            partitions,
+            replication: 1,
+            config: config
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect(),
+        };
+        quire_queue::ensure_topics(&settings, &[spec])
+            .await
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot create a test topic; is the stack up (deploy/local/stack up)? {error}"
+                )
+            });
+        wait_for_leaders(&settings, &name, partitions);
+        TestTopic {
+            name,
+            partitions,
+            settings,
+        }
+    }
+}
+
+impl Drop for TestTopic {
+    fn drop(&mut self) {
+        let settings = self.settings.clone();
+        let name = self.name.clone();
+        // Drop cannot await; a short-lived runtime on its own thread can.
+        let cleanup = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cleanup runtime")
+                .block_on(quire_queue::delete_topics(&settings, &[&name]))
+        });
+        if let Ok(Err(error)) = cleanup.join() {
+            eprintln!(
+                "warning: could not delete test topic {}: {error}",
+                self.name
+            );
+        }
+    }
+}
+
+/// Topic creation returns before every partition has a leader; producing
+/// before that fails. Waits (bounded) until metadata shows them all.
+fn wait_for_leaders(settings: &KafkaSettings, topic: &str, partitions: i32) {
+    let client: BaseConsumer = plain_config(settings).create().expect("metadata client");
+    for _ in 0..100 {
+        if let Ok(metadata) = client.fetch_metadata(Some(topic), Duration::from_secs(5)) {
+            let ready = metadata.topics().iter().any(|found| {
+                found.error().is_none()
+                    && found.partitions().len() as i32 == partitions
+                    && found
+                        .partitions()
+                        .iter()
+                        .all(|partition| partition.leader() >= 0)
+            });
+            if ready {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("topic {topic} has no leaders after 10 s");
+}
+
+fn plain_config(settings: &KafkaSettings) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &settings.bootstrap_servers);
+    config
+}
+
+/// A message as an independent reader sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+}
+
+/// Reads every partition of `topic` from the beginning to its end with a
+/// plain consumer outside any group, at the given isolation level. This is
+/// the "real second consumer" the tests check visibility with.
+pub fn read_all(
+    settings: &KafkaSettings,
+    topic: &str,
+    partitions: i32,
+    read_committed: bool,
+) -> Vec<Seen> {
+    let mut config = plain_config(settings);
+    config
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set(
+            "isolation.level",
+            if read_committed {
+                "read_committed"
+            } else {
+                "read_uncommitted"
+            },
+        );
+    let consumer: BaseConsumer = config.create().expect("reader");
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..partitions {
+        assignment
+            .add_partition_offset(topic, partition, Offset::Beginning)
+            .expect("assignment");
+    }
+    consumer.assign(&assignment).expect("assign");
+    let mut at_end = std::collections::BTreeSet::new();
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while (at_end.len() as i32) < partitions {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "reader did not reach the end of {topic}"
+        );
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(message)) => {
+                at_end.remove(&message.partition());
+                seen.push(Seen {
+                    partition: message.partition(),
+                    offset: message.offset(),
+                    key: message.key().map(<[u8]>::to_vec),
+                    payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                });
+            }
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(partition))) => {
+                at_end.insert(partition);
+            }
+            Some(Err(error)) => panic!("reader error: {error}"),
+            None => {}
+        }
+    }
+    seen
+}
+
+/// The committed offsets of `group` on `topic`, as the group coordinator has them.
+pub fn committed_offsets(
+    settings: &KafkaSettings,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> Vec<Option<i64>> {
+    let mut config = plain_config(settings);
+    config.set("group.id", group);
+    let consumer: BaseConsumer = config.create().expect("offset reader");
+    let mut list = TopicPartitionList::new();
+    for partition in 0..partitions {
+        list.add_partition(topic, partition);
+    }
+    let committed = consumer
+        .committed_offsets(list, Duration::from_secs(10))
+        .expect("committed offsets");
+    (0..partitions)
+        .map(|partition| {
+            match committed
+                .find_partition(topic, partition)
+                .map(|element| element.offset())
+            {
+                Some(Offset::Offset(offset)) => Some(offset),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// `count` payloads in the seed's shape: `(i)` and padding, about `size` bytes.
+pub fn payloads(count: usize, size: usize) -> Vec<Vec<u8>> {
+    (0..count)
+        .map(|index| {
+            let mut payload = format!("({index})").into_bytes();
+            payload.resize(size.max(payload.len()), b'.');
+            payload
+        })
+        .collect()
+}
+
+/// Deletes the records of `topic[partition]` before `offset`, as retention
+/// would, so tests can make a committed offset fall out of the log.
+pub async fn delete_records_before(
+    settings: &KafkaSettings,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) {
+    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        plain_config(settings).create().expect("admin client");
+    let mut list = TopicPartitionList::new();
+    list.add_partition_offset(topic, partition, Offset::Offset(offset))
+        .expect("partition offset");
+    let result = admin
+        .delete_records(&list, &rdkafka::admin::AdminOptions::new())
+        .await
+        .expect("delete records");
+    for element in result.elements() {
+        element.error().expect("delete records of a partition");
+    }
+}

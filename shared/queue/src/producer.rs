@@ -144,11 +144,12 @@ impl Inner {
         match self.send_and_commit(messages, offsets) {
             Ok(ids) => Ok(ids),
             Err(error) => {
-                if !matches!(error, QueueError::ProducerFatal(_)) {
-                    if let Err(abort_error) = self.producer.abort_transaction(self.timeout) {
-                        tracing::warn!(error = %abort_error, "abort of a failed transaction failed");
-                        self.classify(abort_error);
-                    }
+                let producer_alive = !matches!(error, QueueError::ProducerFatal(_));
+                if producer_alive
+                    && let Err(abort_error) = self.producer.abort_transaction(self.timeout)
+                {
+                    tracing::warn!(error = %abort_error, "abort of a failed transaction failed");
+                    self.classify(abort_error);
                 }
                 Err(error)
             }
