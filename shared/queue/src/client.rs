@@ -91,6 +91,11 @@ pub(crate) fn producer_config(
     // once, so a long linger costs no latency at the end of an array.
     set_default(&mut config, "linger.ms", "50");
     set_default(&mut config, "batch.size", "1048576");
+    // Right after a commit the coordinator is still writing its markers, and
+    // the next transaction's first AddPartitionsToTxn is answered
+    // CONCURRENT_TRANSACTIONS; librdkafka retries after retry.backoff.ms,
+    // whose default (100 ms) would then bound us to ten transactions a second.
+    set_default(&mut config, "retry.backoff.ms", "5");
     config
         .set("enable.idempotence", "true")
         .set("acks", "all")

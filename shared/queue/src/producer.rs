@@ -170,6 +170,7 @@ impl Inner {
                 .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
                 .map_err(|error| self.classify(error))?;
         }
+        self.flush_deliveries()?;
         self.commit_with_retries()?;
         // Committed: every delivery report has arrived (commit flushes).
         deliveries
@@ -220,6 +221,29 @@ impl Inner {
                 }
                 Err((error, _)) => return Err(self.classify(error)),
             }
+        }
+    }
+
+    /// Sends everything queued at once (ignoring linger) and waits until every
+    /// delivery report is in.
+    ///
+    /// rust-rdkafka's `commit_transaction` flushes by polling in 100 ms slices,
+    /// and since FutureProducer's own thread takes the delivery events, each
+    /// slice runs to its end: every commit would cost 100 ms, capping a
+    /// producer at ten transactions a second. librdkafka's own flush waits on
+    /// the message count and returns as soon as the last report is served, so
+    /// we flush with it first and the commit's flush finds nothing to wait for.
+    fn flush_deliveries(&self) -> Result<(), QueueError> {
+        let timeout_ms = i32::try_from(self.timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: the pointer is the live client owned by `self.producer`, which
+        // outlives the call; rd_kafka_flush is thread-safe.
+        let code = unsafe {
+            rdkafka::bindings::rd_kafka_flush(self.producer.client().native_ptr(), timeout_ms)
+        };
+        if code == rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR {
+            Ok(())
+        } else {
+            Err(self.classify(KafkaError::Flush(code.into())))
         }
     }
 
