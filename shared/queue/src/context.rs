@@ -103,7 +103,21 @@ impl QueueContext {
     }
 }
 
-impl ClientContext for QueueContext {}
+impl ClientContext for QueueContext {
+    /// librdkafka reports every error event here as well as to the poll that
+    /// returns it; the poll decides what it means. Reaching the end of a
+    /// partition is routine (drain mode waits for it), not an error.
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(rdkafka::error::RDKafkaErrorCode::PartitionEOF)
+        ) {
+            tracing::trace!(reason, "partition end reached");
+        } else {
+            tracing::warn!(error = %error, reason, "kafka consumer error");
+        }
+    }
+}
 
 impl ConsumerContext for QueueContext {
     fn rebalance(
