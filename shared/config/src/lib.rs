@@ -23,6 +23,40 @@ pub struct Settings {
     pub log: LogSettings,
     pub kafka: KafkaSettings,
     pub s3: S3Settings,
+    pub api: ApiSettings,
+    pub worker: WorkerSettings,
+}
+
+/// The producer API (see defaults.toml for what each key means).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSettings {
+    pub listen: String,
+    pub max_body_bytes: usize,
+    pub max_record_bytes: usize,
+    pub max_records_per_request: usize,
+    #[serde(default)]
+    pub auth_tokens: Vec<String>,
+    pub producers: usize,
+    pub transactional_id_prefix: String,
+    pub replica_id: String,
+}
+
+/// The report generator (see defaults.toml for what each key means).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSettings {
+    pub replica_id: String,
+    pub group_id: String,
+    pub transactional_id_prefix: String,
+    pub max_records: usize,
+    pub max_wait_ms: u64,
+    pub rollover_records: u64,
+    pub rollover_bytes: u64,
+    pub rollover_age_ms: u64,
+    pub memory_budget_bytes: u64,
+    pub parts_in_flight: usize,
+    pub shutdown_grace_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -99,7 +133,16 @@ pub enum ConfigError {
 /// Loads the settings: defaults, then `file` if given, then `QUIRE_` environment
 /// variables.
 pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
-    load_from(file, Some(config::Environment::with_prefix("QUIRE")))
+    // Only QUIRE_<SECTION>__<KEY> names are configuration; other QUIRE_
+    // variables (QUIRE_CONFIG, the stack script's QUIRE_STACK_*) are not,
+    // and must not trip the unknown-key check.
+    let settings_variables = std::env::vars()
+        .filter(|(name, _)| name.starts_with("QUIRE_") && name.contains("__"))
+        .collect();
+    load_from(
+        file,
+        Some(config::Environment::with_prefix("QUIRE").source(Some(settings_variables))),
+    )
 }
 
 /// The built-in defaults alone, without file or environment.
@@ -127,7 +170,9 @@ fn load_from(
             environment
                 .prefix_separator("_")
                 .separator("__")
-                .try_parsing(true),
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("api.auth_tokens"),
         );
     }
     Ok(builder.build()?.try_deserialize()?)
@@ -154,6 +199,7 @@ mod tests {
                 ("QUIRE_KAFKA__PROPERTIES__SSL_CA_LOCATION", "/etc/ca.pem"),
                 ("QUIRE_S3__BUCKET", "other"),
                 ("QUIRE_LOG__FORMAT", "json"),
+                ("QUIRE_API__AUTH_TOKENS", "token-a,token-b"),
             ]
             .into_iter()
             .map(|(key, value)| (key.to_owned(), value.to_owned()))
@@ -163,10 +209,22 @@ mod tests {
         assert_eq!(settings.kafka.bootstrap_servers, "10.0.0.1:9092");
         assert_eq!(settings.s3.bucket, "other");
         assert_eq!(settings.log.format, LogFormat::Json);
+        assert_eq!(settings.api.auth_tokens, ["token-a", "token-b"]);
         assert_eq!(
             settings.kafka.client_properties().get("ssl.ca.location"),
             Some(&"/etc/ca.pem".to_owned())
         );
+    }
+
+    #[test]
+    fn other_quire_variables_are_not_configuration() {
+        // SAFETY (edition 2024 makes set_var unsafe): this test is the only
+        // one of this crate that touches the environment.
+        unsafe {
+            std::env::set_var("QUIRE_STACK_KAFKA_PORT", "1");
+            std::env::set_var("QUIRE_CONFIG", "/nowhere");
+        }
+        load(None).expect("single-underscore QUIRE_ variables are ignored");
     }
 
     #[test]

@@ -1,0 +1,186 @@
+//! A stream's report definition: how its records become XML.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::CURRENT_VERSION;
+
+/// How a stream's records are rendered. Published as a control message on
+/// the stream's key; a document uses the definition in force at its first
+/// record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Definition {
+    #[serde(default = "current_version")]
+    pub v: u32,
+    /// The document's root element.
+    #[serde(default = "default_root")]
+    pub root: String,
+    /// The element of each record.
+    #[serde(default = "default_record")]
+    pub record: String,
+    /// A default namespace for the document, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// Top-level fields written as attributes of the record element (when
+    /// their value is a string, number, boolean or null) instead of children.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub attributes: BTreeSet<String>,
+    /// Field name -> element or attribute name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub renames: BTreeMap<String, String>,
+    /// Store the document gzip-compressed (`.xml.gz`).
+    #[serde(default)]
+    pub gzip: bool,
+}
+
+/// The element that closes every document with its record count, offset
+/// range and report id; no record element may take its name.
+pub const SUMMARY_ELEMENT: &str = "summary";
+
+fn current_version() -> u32 {
+    CURRENT_VERSION
+}
+fn default_root() -> String {
+    "report".to_owned()
+}
+fn default_record() -> String {
+    "record".to_owned()
+}
+
+impl Default for Definition {
+    fn default() -> Self {
+        Definition {
+            v: CURRENT_VERSION,
+            root: default_root(),
+            record: default_record(),
+            namespace: None,
+            attributes: BTreeSet::new(),
+            renames: BTreeMap::new(),
+            gzip: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DefinitionError {
+    #[error("{field} {name:?} is not a valid XML element name")]
+    InvalidName { field: &'static str, name: String },
+    #[error("renames map both {first:?} and {second:?} to {target:?}; names must stay distinct")]
+    RenameCollision {
+        first: String,
+        second: String,
+        target: String,
+    },
+    #[error("record element {0:?} would be confused with the summary element; choose another name")]
+    ReservedRecordName(String),
+    #[error(
+        "namespace {0:?} is not usable: it must be a non-empty URI without whitespace, quotes, '<' or '&'"
+    )]
+    InvalidNamespace(String),
+}
+
+impl Definition {
+    /// Checks that the definition can only produce well-formed XML.
+    pub fn validate(&self) -> Result<(), DefinitionError> {
+        check_name("root", &self.root)?;
+        check_name("record", &self.record)?;
+        if self.record == SUMMARY_ELEMENT {
+            return Err(DefinitionError::ReservedRecordName(self.record.clone()));
+        }
+        let mut targets: BTreeMap<&str, &str> = BTreeMap::new();
+        for (field, target) in &self.renames {
+            check_name("rename target", target)?;
+            if let Some(first) = targets.insert(target, field) {
+                return Err(DefinitionError::RenameCollision {
+                    first: first.to_owned(),
+                    second: field.clone(),
+                    target: target.clone(),
+                });
+            }
+        }
+        if let Some(namespace) = &self.namespace {
+            let unusable = namespace.is_empty()
+                || namespace.chars().any(|character| {
+                    character.is_whitespace() || matches!(character, '"' | '<' | '&' | '\'')
+                });
+            if unusable {
+                return Err(DefinitionError::InvalidNamespace(namespace.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_name(field: &'static str, name: &str) -> Result<(), DefinitionError> {
+    if is_xml_name(name) {
+        Ok(())
+    } else {
+        Err(DefinitionError::InvalidName {
+            field,
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// An XML 1.0 (5th edition) Name without a colon (an NCName), so that
+/// definitions never need namespace prefixes.
+pub fn is_xml_name(name: &str) -> bool {
+    let mut characters = name.chars();
+    let Some(first) = characters.next() else {
+        return false;
+    };
+    is_name_start(first) && characters.all(is_name_char)
+}
+
+fn is_name_start(character: char) -> bool {
+    matches!(character,
+        'A'..='Z' | '_' | 'a'..='z'
+        | '\u{C0}'..='\u{D6}' | '\u{D8}'..='\u{F6}' | '\u{F8}'..='\u{2FF}'
+        | '\u{370}'..='\u{37D}' | '\u{37F}'..='\u{1FFF}' | '\u{200C}'..='\u{200D}'
+        | '\u{2070}'..='\u{218F}' | '\u{2C00}'..='\u{2FEF}' | '\u{3001}'..='\u{D7FF}'
+        | '\u{F900}'..='\u{FDCF}' | '\u{FDF0}'..='\u{FFFD}' | '\u{10000}'..='\u{EFFFF}')
+}
+
+fn is_name_char(character: char) -> bool {
+    is_name_start(character)
+        || matches!(character, '-' | '.' | '0'..='9' | '\u{B7}' | '\u{300}'..='\u{36F}' | '\u{203F}'..='\u{2040}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_definition_is_valid() {
+        Definition::default().validate().unwrap();
+    }
+
+    #[test]
+    fn bad_names_and_colliding_renames_are_refused() {
+        let definition = Definition {
+            root: "1root".into(),
+            ..Definition::default()
+        };
+        assert!(definition.validate().is_err());
+        let definition = Definition {
+            renames: BTreeMap::from([("a".into(), "x".into()), ("b".into(), "x".into())]),
+            ..Definition::default()
+        };
+        assert!(matches!(
+            definition.validate(),
+            Err(DefinitionError::RenameCollision { .. })
+        ));
+        assert!(!is_xml_name("a:b"));
+        assert!(!is_xml_name("a b"));
+        assert!(is_xml_name("été"));
+    }
+
+    #[test]
+    fn unknown_fields_in_a_definition_are_refused() {
+        assert!(serde_json::from_str::<Definition>(r#"{"rot":"x"}"#).is_err());
+        let parsed: Definition = serde_json::from_str(r#"{"root":"orders"}"#).unwrap();
+        assert_eq!(parsed.record, "record");
+    }
+}

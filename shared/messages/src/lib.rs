@@ -1,0 +1,189 @@
+//! Every body quire puts on Kafka or next to a report in S3, in one crate, so
+//! a producer and a worker of different releases agree on them.
+//!
+//! Versioning: every JSON body carries `"v"`; records carry the header
+//! [`HEADER_VERSION`]. A reader accepts every version up to
+//! [`CURRENT_VERSION`] and refuses newer ones with a clear error, never a
+//! silent misreading. Unknown fields are ignored, so a newer writer may add
+//! optional fields without a version bump.
+//!
+//! The log `quire.records` holds, per stream key, in order:
+//! - records: the JSON object exactly as the producer sent it (header
+//!   `quire-kind: record`);
+//! - cut markers ([`CutMarker`], `quire-kind: cut`);
+//! - definition changes ([`Definition`], `quire-kind: definition`).
+//!
+//! Everything that decides a document's content is in that log.
+
+mod definition;
+mod names;
+mod report;
+
+use serde::{Deserialize, Serialize};
+
+pub use definition::{Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name};
+pub use names::{ReportId, StreamName, StreamNameError, report_key};
+pub use report::{DeadLetter, Manifest, ReportEvent, ReportEventKind, Trigger, Watermark};
+
+/// The version this release writes.
+pub const CURRENT_VERSION: u32 = 1;
+
+/// Header naming what a `quire.records` message is.
+pub const HEADER_KIND: &str = "quire-kind";
+/// Header carrying the body's version on records (whose body is the
+/// producer's own JSON object).
+pub const HEADER_VERSION: &str = "quire-v";
+
+/// What a message of `quire.records` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageKind {
+    Record,
+    Cut,
+    Definition,
+}
+
+impl MessageKind {
+    pub fn as_header(self) -> &'static str {
+        match self {
+            MessageKind::Record => "record",
+            MessageKind::Cut => "cut",
+            MessageKind::Definition => "definition",
+        }
+    }
+
+    pub fn from_header(value: &[u8]) -> Option<Self> {
+        match value {
+            b"record" => Some(MessageKind::Record),
+            b"cut" => Some(MessageKind::Cut),
+            b"definition" => Some(MessageKind::Definition),
+            _ => None,
+        }
+    }
+}
+
+/// A cut marker: the document of its stream ends where this marker lands.
+///
+/// The API publishes markers for explicit cuts (`document` = None: cut
+/// whatever is open). A worker publishes markers for rollovers and names the
+/// document it cuts by its first offset, so a marker that lands after that
+/// document was already cut (another owner decided the same rollover) is
+/// ignored, and a replay cuts at exactly the same places.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CutMarker {
+    pub v: u32,
+    pub trigger: Trigger,
+    /// First offset of the document this marker cuts, for worker markers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub document: Option<i64>,
+}
+
+impl CutMarker {
+    pub fn explicit() -> Self {
+        CutMarker {
+            v: CURRENT_VERSION,
+            trigger: Trigger::Api,
+            document: None,
+        }
+    }
+
+    pub fn rollover(trigger: Trigger, document_first_offset: i64) -> Self {
+        CutMarker {
+            v: CURRENT_VERSION,
+            trigger,
+            document: Some(document_first_offset),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("body is not valid JSON for {what}: {source}")]
+    Json {
+        what: &'static str,
+        source: serde_json::Error,
+    },
+    #[error(
+        "{what} has version {found}, newer than this release reads ({CURRENT_VERSION}); upgrade it"
+    )]
+    TooNew { what: &'static str, found: u32 },
+}
+
+/// Decodes a versioned JSON body, refusing versions newer than ours.
+pub fn decode<'a, T>(what: &'static str, bytes: &'a [u8]) -> Result<T, DecodeError>
+where
+    T: Deserialize<'a> + Versioned,
+{
+    let value: T =
+        serde_json::from_slice(bytes).map_err(|source| DecodeError::Json { what, source })?;
+    if value.version() > CURRENT_VERSION {
+        return Err(DecodeError::TooNew {
+            what,
+            found: value.version(),
+        });
+    }
+    Ok(value)
+}
+
+/// Encodes a body as compact JSON.
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("quire's message types always serialise")
+}
+
+/// A body with a version field.
+pub trait Versioned {
+    fn version(&self) -> u32;
+}
+
+macro_rules! versioned {
+    ($($type:ty),*) => {$(
+        impl Versioned for $type {
+            fn version(&self) -> u32 {
+                self.v
+            }
+        }
+    )*};
+}
+versioned!(
+    CutMarker,
+    Definition,
+    ReportEvent,
+    Watermark,
+    DeadLetter,
+    Manifest
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newer_version_is_refused_by_name() {
+        let error = decode::<CutMarker>("cut marker", br#"{"v":2,"trigger":"api"}"#).unwrap_err();
+        assert!(error.to_string().contains("version 2"), "{error}");
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let marker: CutMarker = decode(
+            "cut marker",
+            br#"{"v":1,"trigger":"records","document":7,"future":true}"#,
+        )
+        .unwrap();
+        assert_eq!(marker, CutMarker::rollover(Trigger::Records, 7));
+    }
+
+    #[test]
+    fn kinds_round_trip_through_their_header() {
+        for kind in [
+            MessageKind::Record,
+            MessageKind::Cut,
+            MessageKind::Definition,
+        ] {
+            assert_eq!(
+                MessageKind::from_header(kind.as_header().as_bytes()),
+                Some(kind)
+            );
+        }
+        assert_eq!(MessageKind::from_header(b"other"), None);
+    }
+}

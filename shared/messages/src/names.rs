@@ -1,0 +1,207 @@
+//! Names that become S3 keys, Kafka keys and URL segments: validated here.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// A stream name: 1-128 characters of `A-Z a-z 0-9 . _ -`, starting with a
+/// letter or digit. It becomes a Kafka key, an S3 key segment and a URL
+/// segment, so nothing else is allowed (no `/`, no `..`, no spaces).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct StreamName(String);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamNameError {
+    #[error("stream name is empty")]
+    Empty,
+    #[error("stream name is {0} characters long; at most 128 are allowed")]
+    TooLong(usize),
+    #[error("stream name must start with a letter or a digit")]
+    BadStart,
+    #[error("stream name contains {0:?}; only letters, digits, '.', '_' and '-' are allowed")]
+    BadCharacter(char),
+}
+
+impl StreamName {
+    pub const MAX_LENGTH: usize = 128;
+
+    pub fn new(name: &str) -> Result<Self, StreamNameError> {
+        let first = name.chars().next().ok_or(StreamNameError::Empty)?;
+        if name.len() > Self::MAX_LENGTH {
+            return Err(StreamNameError::TooLong(name.chars().count()));
+        }
+        if !first.is_ascii_alphanumeric() {
+            return Err(StreamNameError::BadStart);
+        }
+        if let Some(bad) = name.chars().find(|character| {
+            !(character.is_ascii_alphanumeric() || matches!(character, '.' | '_' | '-'))
+        }) {
+            return Err(StreamNameError::BadCharacter(bad));
+        }
+        Ok(StreamName(name.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for StreamName {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str(&self.0)
+    }
+}
+
+impl TryFrom<String> for StreamName {
+    type Error = StreamNameError;
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        StreamName::new(&name)
+    }
+}
+
+impl From<StreamName> for String {
+    fn from(name: StreamName) -> String {
+        name.0
+    }
+}
+
+/// A report's id: its stream and the partition and offset of the cut marker
+/// that ended it, written `{stream}~{partition}-{offset}` (`~` never occurs
+/// in a stream name and is URL-safe). Reading that one message of the log
+/// tells whether the id was ever issued; the stream prefix lets a listing of
+/// `manifests/{stream}~` find a stream's reports.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReportId {
+    pub stream: StreamName,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+impl fmt::Display for ReportId {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            formatter,
+            "{}~{}-{}",
+            self.stream, self.partition, self.offset
+        )
+    }
+}
+
+impl FromStr for ReportId {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let malformed =
+            || format!("report id {text:?} is not of the form <stream>~<partition>-<offset>");
+        let (stream, position) = text.split_once('~').ok_or_else(malformed)?;
+        let stream =
+            StreamName::new(stream).map_err(|error| format!("report id {text:?}: {error}"))?;
+        let (partition, offset) = position.split_once('-').ok_or_else(malformed)?;
+        let all_digits = |part: &str| {
+            !part.is_empty() && part.len() <= 18 && part.bytes().all(|byte| byte.is_ascii_digit())
+        };
+        if !all_digits(partition) || !all_digits(offset) {
+            return Err(malformed());
+        }
+        Ok(ReportId {
+            stream,
+            partition: partition.parse().map_err(|_| malformed())?,
+            offset: offset.parse().map_err(|_| malformed())?,
+        })
+    }
+}
+
+impl Serialize for ReportId {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ReportId {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl ReportId {
+    /// Where the report's manifest lives in the bucket.
+    pub fn manifest_key(&self) -> String {
+        format!("manifests/{self}.json")
+    }
+
+    /// The prefix under which a stream's manifests are listed.
+    pub fn manifest_prefix(stream: &StreamName) -> String {
+        format!("manifests/{stream}~")
+    }
+}
+
+/// A document's S3 key, fixed when it opens:
+/// `reports/{stream}/{partition}-{first_offset}.xml` (zero-padded so keys
+/// sort in log order), `.xml.gz` when the definition asks for gzip.
+pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: bool) -> String {
+    let extension = if gzip { "xml.gz" } else { "xml" };
+    format!("reports/{stream}/{partition:05}-{first_offset:020}.{extension}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_names_that_could_escape_a_key_are_refused() {
+        for bad in [
+            "",
+            "../etc",
+            "a/b",
+            "a b",
+            ".hidden",
+            "é",
+            "a\0",
+            &"x".repeat(129),
+        ] {
+            assert!(StreamName::new(bad).is_err(), "{bad:?} accepted");
+        }
+        for good in ["orders", "eu-west.orders_2", "0", &"x".repeat(128)] {
+            assert!(StreamName::new(good).is_ok(), "{good:?} refused");
+        }
+    }
+
+    #[test]
+    fn report_ids_round_trip_and_reject_garbage() {
+        let id = ReportId {
+            stream: StreamName::new("orders").unwrap(),
+            partition: 3,
+            offset: 1042,
+        };
+        assert_eq!(id.to_string(), "orders~3-1042");
+        assert_eq!("orders~3-1042".parse::<ReportId>(), Ok(id.clone()));
+        assert_eq!(id.manifest_key(), "manifests/orders~3-1042.json");
+        for bad in [
+            "",
+            "3-1",
+            "orders~3",
+            "orders~3-",
+            "orders~-3",
+            "orders~a-1",
+            "orders~3-1-2",
+            "../x~3-1",
+            "orders~+3-1",
+            "orders~99999999999999999999-1",
+        ] {
+            assert!(bad.parse::<ReportId>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn report_keys_sort_in_log_order() {
+        let stream = StreamName::new("orders").unwrap();
+        assert_eq!(
+            report_key(&stream, 3, 42, false),
+            "reports/orders/00003-00000000000000000042.xml"
+        );
+        assert!(report_key(&stream, 3, 9, false) < report_key(&stream, 3, 10, false));
+        assert!(report_key(&stream, 3, 9, true).ends_with(".xml.gz"));
+    }
+}
