@@ -1,0 +1,456 @@
+//! Every S3 call the writer and the sweep make, each retried with backoff and
+//! jitter, each attempt traced and counted.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use aws_runtime::auth::PayloadSigningOverride;
+use aws_sdk_s3::Client;
+use aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut;
+use aws_sdk_s3::config::retry::RetryConfig;
+use aws_sdk_s3::config::timeout::TimeoutConfig;
+use aws_sdk_s3::config::{ConfigBag, Intercept, RuntimeComponents};
+use aws_sdk_s3::error::{BoxError, DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use backon::Retryable;
+use bytes::Bytes;
+
+use crate::counters::WriterCounters;
+use crate::error::WriterError;
+use crate::policy::RetryPolicy;
+
+type HttpResponse = aws_sdk_s3::config::http::HttpResponse;
+
+/// Where a document goes and how its calls behave; shared by the writer and
+/// its background part uploads.
+#[derive(Debug)]
+pub(crate) struct UploadTarget {
+    pub client: Client,
+    pub bucket: String,
+    pub key: String,
+    pub retry: RetryPolicy,
+    pub counters: Arc<WriterCounters>,
+    /// Whether SigV4 signs the bodies of parts and single puts.
+    sign_payload: bool,
+    /// Timeouts of one attempt: the policy's attempt timeout over the
+    /// client's own (connect timeout...).
+    timeouts: TimeoutConfig,
+}
+
+impl UploadTarget {
+    pub fn new(
+        client: Client,
+        bucket: String,
+        key: String,
+        retry: RetryPolicy,
+        attempt_timeout: Duration,
+        sign_payload: bool,
+        counters: Arc<WriterCounters>,
+    ) -> Self {
+        let mut timeouts = TimeoutConfig::builder()
+            .operation_attempt_timeout(attempt_timeout)
+            .build();
+        if let Some(client_timeouts) = client.config().timeout_config() {
+            timeouts.take_defaults_from(client_timeouts);
+        }
+        UploadTarget {
+            client,
+            bucket,
+            key,
+            retry,
+            counters,
+            sign_payload,
+            timeouts,
+        }
+    }
+
+    /// Per-call settings: no SDK retries (we retry per part so that every
+    /// attempt is traced and counted, and a part's bytes are re-sent from the
+    /// same buffer), and a bounded attempt.
+    fn call_settings(&self) -> aws_sdk_s3::config::Builder {
+        aws_sdk_s3::config::Builder::default()
+            .retry_config(RetryConfig::disabled())
+            .timeout_config(self.timeouts.clone())
+    }
+
+    fn failure(&self, operation: &'static str, failure: CallFailure) -> WriterError {
+        WriterError::S3 {
+            operation,
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            attempts: failure.attempts,
+            status: failure.status,
+            retryable: failure.retryable,
+            detail: failure.detail,
+        }
+    }
+
+    /// Starts a multipart upload and returns its id.
+    pub async fn create_multipart_upload(self: Arc<Self>) -> Result<String, WriterError> {
+        let call = CallLabel::new("CreateMultipartUpload", &self.key);
+        let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
+            self.client
+                .create_multipart_upload()
+                .bucket(&self.bucket)
+                .key(&self.key)
+                .customize()
+                .config_override(self.call_settings())
+                .send()
+        })
+        .await
+        .map_err(|failure| self.failure(call.operation, failure))?;
+        let upload_id = output.upload_id.ok_or_else(|| WriterError::S3 {
+            operation: call.operation,
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            attempts: 1,
+            status: None,
+            retryable: false,
+            detail: "the answer carries no upload id".to_owned(),
+        })?;
+        tracing::debug!(bucket = %self.bucket, key = %self.key, upload_id = %upload_id, "multipart upload created");
+        Ok(upload_id)
+    }
+
+    /// Whether SigV4 signs the bodies, so a payload hash is worth handing it.
+    pub fn signs_payload(&self) -> bool {
+        self.sign_payload
+    }
+
+    /// Uploads one part; every retry re-sends the same `part` (a cheap clone
+    /// of a shared buffer, not a copy). `payload_sha256`, the part's SHA-256
+    /// in lowercase hex if the caller has it, spares SigV4 hashing it again.
+    pub async fn upload_part(
+        &self,
+        upload_id: &str,
+        part_number: i32,
+        part: &Bytes,
+        payload_sha256: Option<String>,
+    ) -> Result<CompletedPart, WriterError> {
+        let call = CallLabel::new("UploadPart", &self.key).part(part_number, part.len());
+        let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
+            let request = self
+                .client
+                .upload_part()
+                .bucket(&self.bucket)
+                .key(&self.key)
+                .upload_id(upload_id)
+                .part_number(part_number)
+                .content_length(part.len() as i64)
+                .body(ByteStream::from(part.clone()))
+                .customize()
+                .config_override(self.call_settings());
+            match (self.sign_payload, &payload_sha256) {
+                (false, _) => request.disable_payload_signing().send(),
+                (true, None) => request.send(),
+                (true, Some(sha256)) => request
+                    .interceptor(PrecomputedPayloadHash(sha256.clone()))
+                    .send(),
+            }
+        })
+        .await
+        .map_err(|failure| self.failure(call.operation, failure))?;
+        self.counters.part_uploaded(part.len() as u64);
+        Ok(CompletedPart::builder()
+            .part_number(part_number)
+            .set_e_tag(output.e_tag)
+            .build())
+    }
+
+    /// Stores a document of at most one part with one PutObject;
+    /// `payload_sha256` as for [`UploadTarget::upload_part`].
+    pub async fn put_object(
+        &self,
+        document: &Bytes,
+        payload_sha256: Option<String>,
+    ) -> Result<Option<String>, WriterError> {
+        let call = CallLabel::new("PutObject", &self.key).part(1, document.len());
+        let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
+            let request = self
+                .client
+                .put_object()
+                .bucket(&self.bucket)
+                .key(&self.key)
+                .content_length(document.len() as i64)
+                .body(ByteStream::from(document.clone()))
+                .customize()
+                .config_override(self.call_settings());
+            match (self.sign_payload, &payload_sha256) {
+                (false, _) => request.disable_payload_signing().send(),
+                (true, None) => request.send(),
+                (true, Some(sha256)) => request
+                    .interceptor(PrecomputedPayloadHash(sha256.clone()))
+                    .send(),
+            }
+        })
+        .await
+        .map_err(|failure| self.failure(call.operation, failure))?;
+        self.counters.single_put(document.len() as u64);
+        Ok(output.e_tag)
+    }
+
+    /// Completes the upload from its parts, in part-number order.
+    pub async fn complete_multipart_upload(
+        &self,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<Option<String>, WriterError> {
+        let call = CallLabel::new("CompleteMultipartUpload", &self.key);
+        let completed = CompletedMultipartUpload::builder()
+            .set_parts(Some(parts))
+            .build();
+        let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
+            self.client
+                .complete_multipart_upload()
+                .bucket(&self.bucket)
+                .key(&self.key)
+                .upload_id(upload_id)
+                .multipart_upload(completed.clone())
+                .customize()
+                .config_override(self.call_settings())
+                .send()
+        })
+        .await
+        .map_err(|failure| self.failure(call.operation, failure))?;
+        Ok(output.e_tag)
+    }
+
+    /// Aborts the upload. An upload the server no longer knows counts as
+    /// aborted: someone (a retry, a sweep) already did it.
+    pub async fn abort_multipart_upload(
+        &self,
+        upload_id: &str,
+        reason: &str,
+    ) -> Result<(), WriterError> {
+        let aborted_by_this_call = abort_upload(
+            &self.client,
+            &self.bucket,
+            &self.key,
+            upload_id,
+            &self.retry,
+            &self.counters,
+            self.call_settings(),
+        )
+        .await?;
+        if aborted_by_this_call {
+            tracing::info!(bucket = %self.bucket, key = %self.key, upload_id, reason, "multipart upload aborted");
+        } else {
+            tracing::info!(bucket = %self.bucket, key = %self.key, upload_id, reason, "multipart upload was already gone");
+        }
+        Ok(())
+    }
+}
+
+/// Aborts one multipart upload with retries; `Ok(true)` if this call aborted
+/// it, `Ok(false)` if the server no longer knew it.
+pub(crate) async fn abort_upload(
+    client: &Client,
+    bucket: &str,
+    key: &str,
+    upload_id: &str,
+    retry: &RetryPolicy,
+    counters: &WriterCounters,
+    call_settings: aws_sdk_s3::config::Builder,
+) -> Result<bool, WriterError> {
+    let call = CallLabel::new("AbortMultipartUpload", key);
+    let result = with_retries(retry, counters, &call, |_attempt| {
+        client
+            .abort_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .customize()
+            .config_override(call_settings.clone())
+            .send()
+    })
+    .await;
+    match result {
+        Ok(_) => {
+            counters.upload_aborted();
+            Ok(true)
+        }
+        Err(failure) if failure.status == Some(404) => Ok(false),
+        Err(failure) => Err(WriterError::S3 {
+            operation: call.operation,
+            bucket: bucket.to_owned(),
+            key: key.to_owned(),
+            attempts: failure.attempts,
+            status: failure.status,
+            retryable: failure.retryable,
+            detail: failure.detail,
+        }),
+    }
+}
+
+/// Hands SigV4 the body's SHA-256 computed beforehand (lowercase hex), so
+/// the signer does not hash the body a second time. The server checks it
+/// against the bytes it receives, as it would a hash the signer computed.
+#[derive(Debug)]
+struct PrecomputedPayloadHash(String);
+
+impl Intercept for PrecomputedPayloadHash {
+    fn name(&self) -> &'static str {
+        "PrecomputedPayloadHash"
+    }
+
+    fn modify_before_signing(
+        &self,
+        _context: &mut BeforeTransmitInterceptorContextMut<'_>,
+        _runtime_components: &RuntimeComponents,
+        config: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        config
+            .interceptor_state()
+            .store_put(PayloadSigningOverride::Precomputed(self.0.clone()));
+        Ok(())
+    }
+}
+
+/// Per-call settings for callers without an [`UploadTarget`] (the sweep).
+pub(crate) fn call_settings_without_retries() -> aws_sdk_s3::config::Builder {
+    aws_sdk_s3::config::Builder::default().retry_config(RetryConfig::disabled())
+}
+
+/// What a traced call is: operation, key and, for parts, number and size.
+pub(crate) struct CallLabel<'a> {
+    pub operation: &'static str,
+    pub key: &'a str,
+    pub part_number: Option<i32>,
+    pub bytes: Option<usize>,
+}
+
+impl<'a> CallLabel<'a> {
+    pub fn new(operation: &'static str, key: &'a str) -> Self {
+        CallLabel {
+            operation,
+            key,
+            part_number: None,
+            bytes: None,
+        }
+    }
+
+    fn part(mut self, part_number: i32, bytes: usize) -> Self {
+        self.part_number = Some(part_number);
+        self.bytes = Some(bytes);
+        self
+    }
+}
+
+/// How a call failed for good.
+#[derive(Debug)]
+pub(crate) struct CallFailure {
+    pub attempts: u32,
+    pub status: Option<u16>,
+    pub retryable: bool,
+    pub detail: String,
+}
+
+/// Runs `attempt_once` until it succeeds, fails with an error that is not
+/// retryable, or the policy's attempts run out; waits between attempts with
+/// exponential backoff and jitter. Each attempt is traced (operation, key,
+/// part number, bytes, attempt, duration) and each retry counted.
+pub(crate) async fn with_retries<T, E, AttemptFuture>(
+    retry: &RetryPolicy,
+    counters: &WriterCounters,
+    call: &CallLabel<'_>,
+    mut attempt_once: impl FnMut(u32) -> AttemptFuture,
+) -> Result<T, CallFailure>
+where
+    AttemptFuture: Future<Output = Result<T, SdkError<E, HttpResponse>>>,
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+{
+    let attempts_made = AtomicU32::new(0);
+    let result = (|| {
+        let attempt = attempts_made.fetch_add(1, Ordering::Relaxed) + 1;
+        let started = Instant::now();
+        let pending = attempt_once(attempt);
+        async move {
+            let outcome = pending.await;
+            let duration_ms = started.elapsed().as_secs_f64() * 1000.0;
+            match &outcome {
+                Ok(_) => tracing::debug!(
+                    operation = call.operation,
+                    key = call.key,
+                    part_number = call.part_number,
+                    bytes = call.bytes,
+                    attempt,
+                    duration_ms,
+                    "s3 call succeeded"
+                ),
+                Err(error) => tracing::warn!(
+                    operation = call.operation,
+                    key = call.key,
+                    part_number = call.part_number,
+                    bytes = call.bytes,
+                    attempt,
+                    duration_ms,
+                    status = status_of(error),
+                    retryable = is_retryable(error),
+                    error = %DisplayErrorContext(error),
+                    "s3 call attempt failed"
+                ),
+            }
+            outcome
+        }
+    })
+    .retry(retry.backoff())
+    .sleep(tokio::time::sleep)
+    .when(is_retryable)
+    .notify(|_error, delay| {
+        counters.retried();
+        tracing::debug!(
+            operation = call.operation,
+            key = call.key,
+            part_number = call.part_number,
+            delay_ms = delay.as_millis() as u64,
+            "s3 call will be retried"
+        );
+    })
+    .await;
+    result.map_err(|error| CallFailure {
+        attempts: attempts_made.load(Ordering::Relaxed),
+        status: status_of(&error),
+        retryable: is_retryable(&error),
+        detail: DisplayErrorContext(&error).to_string(),
+    })
+}
+
+fn status_of<E>(error: &SdkError<E, HttpResponse>) -> Option<u16> {
+    error
+        .raw_response()
+        .map(|response| response.status().as_u16())
+}
+
+/// Error codes S3 services use for "try again later", whatever the status.
+const RETRYABLE_ERROR_CODES: &[&str] = &[
+    "InternalError",
+    "RequestTimeout",
+    "ServiceUnavailable",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+];
+
+/// Server errors (5xx), throttling (429 and the codes above), timeouts,
+/// connection failures and unreadable answers are worth another attempt;
+/// everything else (4xx, a request that could not be built) is not.
+pub(crate) fn is_retryable<E: ProvideErrorMetadata>(error: &SdkError<E, HttpResponse>) -> bool {
+    match error {
+        SdkError::TimeoutError(_) | SdkError::ResponseError(_) => true,
+        SdkError::DispatchFailure(failure) => !failure.is_user(),
+        SdkError::ServiceError(service_error) => {
+            let status = service_error.raw().status().as_u16();
+            status >= 500
+                || status == 429
+                || service_error
+                    .err()
+                    .code()
+                    .is_some_and(|code| RETRYABLE_ERROR_CODES.contains(&code))
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,81 @@
+//! Counters of what the writers did, for the services to read (and, later, to
+//! export to Prometheus).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Totals across every writer and sweep that share this value (usually one
+/// per process, behind an `Arc`). Relaxed atomics: each counter is a total on
+/// its own, no reader needs two of them to agree at one instant.
+#[derive(Debug, Default)]
+pub struct WriterCounters {
+    bytes_uploaded: AtomicU64,
+    parts_uploaded: AtomicU64,
+    single_puts: AtomicU64,
+    retries: AtomicU64,
+    uploads_aborted: AtomicU64,
+    documents_completed: AtomicU64,
+    parts_in_flight: AtomicU64,
+}
+
+/// The counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CountersSnapshot {
+    /// Bytes the server acknowledged, in parts and in single PutObjects.
+    pub bytes_uploaded: u64,
+    /// UploadPart calls that succeeded.
+    pub parts_uploaded: u64,
+    /// Documents smaller than one part, stored with one PutObject.
+    pub single_puts: u64,
+    /// Attempts that failed with a retryable error and were tried again.
+    pub retries: u64,
+    /// Multipart uploads aborted, by writers and by take-over sweeps.
+    pub uploads_aborted: u64,
+    /// Documents completed (multipart or single put).
+    pub documents_completed: u64,
+    /// Parts uploading right now.
+    pub parts_in_flight: u64,
+}
+
+impl WriterCounters {
+    pub fn snapshot(&self) -> CountersSnapshot {
+        CountersSnapshot {
+            bytes_uploaded: self.bytes_uploaded.load(Ordering::Relaxed),
+            parts_uploaded: self.parts_uploaded.load(Ordering::Relaxed),
+            single_puts: self.single_puts.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            uploads_aborted: self.uploads_aborted.load(Ordering::Relaxed),
+            documents_completed: self.documents_completed.load(Ordering::Relaxed),
+            parts_in_flight: self.parts_in_flight.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn part_uploaded(&self, bytes: u64) {
+        self.parts_uploaded.fetch_add(1, Ordering::Relaxed);
+        self.bytes_uploaded.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn single_put(&self, bytes: u64) {
+        self.single_puts.fetch_add(1, Ordering::Relaxed);
+        self.bytes_uploaded.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn retried(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn upload_aborted(&self) {
+        self.uploads_aborted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn document_completed(&self) {
+        self.documents_completed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn part_started(&self) {
+        self.parts_in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn part_ended(&self) {
+        self.parts_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
