@@ -1,0 +1,377 @@
+//! The document renderer: bytes appended to the caller's buffer, one call
+//! per piece of the document (see the crate docs for the exact shape).
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Display;
+use std::io::Write as _;
+use std::ops::Range;
+
+use quick_xml::escape::partial_escape;
+use quick_xml::events::attributes::Attribute;
+use quire_messages::{Definition, SUMMARY_ELEMENT, is_xml_name};
+use serde_json::{Map, Value};
+
+use crate::check::{RenderError, first_forbidden_character, is_forbidden_character, record_fields};
+use crate::names::{encode_name, write_encoded_name};
+
+/// The namespace of `xsi:nil`, declared on every root so that a null can be
+/// written wherever it occurs (the root is written before any record is seen).
+pub const XML_SCHEMA_INSTANCE_NAMESPACE: &str = "http://www.w3.org/2001/XMLSchema-instance";
+
+/// The element each item of an array nested directly in an array becomes.
+pub const NESTED_ARRAY_ITEM_ELEMENT: &str = "item";
+
+const XML_DECLARATION: &str = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+
+/// The two namespaces that Namespaces in XML forbids as a default namespace;
+/// declaring one would make every parser refuse the document.
+const RESERVED_NAMESPACES: [&str; 2] = [
+    "http://www.w3.org/XML/1998/namespace",
+    "http://www.w3.org/2000/xmlns/",
+];
+
+/// What a document's totals are, known only when it is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Summary<'a> {
+    pub records: u64,
+    pub first_offset: i64,
+    pub last_offset: i64,
+    pub report_id: &'a str,
+}
+
+/// Renders documents of one definition. Everything the definition decides
+/// (names, renames, which fields are attributes) is worked out once here, so
+/// that rendering a record only walks the record.
+///
+/// Stateless between calls: the caller keeps its document's buffer and
+/// counts, and calls [`start`](Self::start), [`record`](Self::record) per
+/// record and [`finish`](Self::finish) with the totals.
+#[derive(Debug, Clone)]
+pub struct DocumentRenderer {
+    /// The declaration and the root start tag up to its per-document
+    /// attributes: `<?xml ...?>\n<report xmlns:xsi="..."`.
+    document_prefix: Vec<u8>,
+    /// `</report>\n`
+    document_end: Vec<u8>,
+    /// `<record`
+    record_start: Vec<u8>,
+    /// `</record>\n`
+    record_end: Vec<u8>,
+    /// The top-level fields named by the definition's attributes or renames.
+    /// Empty for most definitions, which then skip every lookup.
+    named_top_level_fields: BTreeMap<String, TopLevelField>,
+}
+
+#[derive(Debug, Clone)]
+struct TopLevelField {
+    /// The element or attribute name: the rename target, else the encoded
+    /// field name.
+    xml_name: String,
+    /// A string, number, boolean or null value goes into the record's start
+    /// tag instead of a child element.
+    scalar_as_attribute: bool,
+}
+
+impl DocumentRenderer {
+    /// Never fails: a definition should have passed
+    /// [`Definition::validate`], but if one did not, whatever it names is
+    /// still made into well-formed XML (invalid names are encoded, a
+    /// namespace that may not be the default one is left out, forbidden
+    /// characters in a namespace become U+FFFD, two attribute
+    /// fields that would share a name keep the first, in field-name order,
+    /// as an attribute and write the other as an element), so a bad control
+    /// message can never stop a worker.
+    pub fn new(definition: &Definition) -> Self {
+        let root_name = definition_name(&definition.root);
+        let record_name = definition_name(&definition.record);
+
+        let mut document_prefix = Vec::with_capacity(256);
+        document_prefix.extend_from_slice(XML_DECLARATION.as_bytes());
+        document_prefix.push(b'<');
+        document_prefix.extend_from_slice(root_name.as_bytes());
+        if let Some(namespace) = &definition.namespace
+            && !RESERVED_NAMESPACES.contains(&namespace.as_str())
+        {
+            write_document_attribute(&mut document_prefix, "xmlns", namespace);
+        }
+        write_attribute(
+            &mut document_prefix,
+            "xmlns:xsi",
+            XML_SCHEMA_INSTANCE_NAMESPACE,
+        );
+
+        Self {
+            document_prefix,
+            document_end: format!("</{root_name}>\n").into_bytes(),
+            record_start: format!("<{record_name}").into_bytes(),
+            record_end: format!("</{record_name}>\n").into_bytes(),
+            named_top_level_fields: named_top_level_fields(definition),
+        }
+    }
+
+    /// Writes the declaration and the root start tag, which carries the
+    /// stream, the partition and the document's first offset (the same
+    /// values as its S3 key), the default namespace if the definition has
+    /// one, and `xmlns:xsi` for nulls.
+    pub fn start(&self, out: &mut Vec<u8>, stream: &str, partition: i32, first_offset: i64) {
+        out.extend_from_slice(&self.document_prefix);
+        write_document_attribute(out, "stream", stream);
+        write_number_attribute(out, "partition", partition);
+        write_number_attribute(out, "first-offset", first_offset);
+        out.extend_from_slice(b">\n");
+    }
+
+    /// Appends one record element and a newline.
+    ///
+    /// # Errors
+    ///
+    /// Exactly when [`crate::check_record`] fails, with the same error (the
+    /// record is not an object, holds a character XML 1.0 forbids, or is
+    /// nested too deep). Nothing is written then, so the document stays
+    /// well-formed and the caller can dead-letter the record and go on.
+    pub fn record(&self, out: &mut Vec<u8>, record: &Value) -> Result<(), RenderError> {
+        let fields = record_fields(record)?;
+        out.extend_from_slice(&self.record_start);
+        if !self.named_top_level_fields.is_empty() {
+            self.write_record_attributes(out, fields);
+        }
+        out.push(b'>');
+        let content_start = out.len();
+        for (key, value) in fields {
+            match self.named_top_level_fields.get(key.as_str()) {
+                None => write_field(out, ElementName::FieldKey(key), value),
+                Some(field) if field.scalar_as_attribute && is_scalar(value) => {}
+                Some(field) => write_field(out, ElementName::Verbatim(&field.xml_name), value),
+            }
+        }
+        if out.len() == content_start {
+            out.pop();
+            out.extend_from_slice(b"/>\n");
+        } else {
+            out.extend_from_slice(&self.record_end);
+        }
+        Ok(())
+    }
+
+    /// Writes the summary element and the root end tag: the document is
+    /// complete after this.
+    pub fn finish(&self, out: &mut Vec<u8>, summary: &Summary<'_>) {
+        out.push(b'<');
+        out.extend_from_slice(SUMMARY_ELEMENT.as_bytes());
+        write_number_attribute(out, "records", summary.records);
+        write_number_attribute(out, "first-offset", summary.first_offset);
+        write_number_attribute(out, "last-offset", summary.last_offset);
+        write_document_attribute(out, "report-id", summary.report_id);
+        out.extend_from_slice(b"/>\n");
+        out.extend_from_slice(&self.document_end);
+    }
+
+    /// The attribute fields' scalar values, in the record's field order.
+    /// A null attribute is left out: an absent attribute is XML's null, and
+    /// an empty value would be confused with the empty string.
+    fn write_record_attributes(&self, out: &mut Vec<u8>, fields: &Map<String, Value>) {
+        for (key, value) in fields {
+            let Some(field) = self.named_top_level_fields.get(key.as_str()) else {
+                continue;
+            };
+            if !field.scalar_as_attribute {
+                continue;
+            }
+            match value {
+                Value::String(text) => write_attribute(out, &field.xml_name, text),
+                Value::Number(number) => write_raw_attribute(out, &field.xml_name, number.as_str()),
+                Value::Bool(flag) => write_raw_attribute(out, &field.xml_name, boolean_text(*flag)),
+                Value::Null | Value::Array(_) | Value::Object(_) => {}
+            }
+        }
+    }
+}
+
+/// The names of the definition's attribute and renamed fields, computed once.
+fn named_top_level_fields(definition: &Definition) -> BTreeMap<String, TopLevelField> {
+    let xml_name_of = |field: &str| match definition.renames.get(field) {
+        Some(target) => definition_name(target).into_owned(),
+        None => encode_name(field).into_owned(),
+    };
+    let mut fields = BTreeMap::new();
+    let mut attribute_names_in_use = BTreeSet::new();
+    for field in &definition.attributes {
+        let xml_name = xml_name_of(field);
+        // Two attributes of one name would make the document malformed.
+        let scalar_as_attribute = attribute_names_in_use.insert(xml_name.clone());
+        fields.insert(
+            field.clone(),
+            TopLevelField {
+                xml_name,
+                scalar_as_attribute,
+            },
+        );
+    }
+    for field in definition.renames.keys() {
+        if !fields.contains_key(field) {
+            let xml_name = xml_name_of(field);
+            fields.insert(
+                field.clone(),
+                TopLevelField {
+                    xml_name,
+                    scalar_as_attribute: false,
+                },
+            );
+        }
+    }
+    fields
+}
+
+/// A name chosen in the definition: used as written when it is a valid
+/// NCName (and not `xmlns`, which would declare a namespace as an
+/// attribute), encoded otherwise.
+fn definition_name(name: &str) -> Cow<'_, str> {
+    if is_xml_name(name) && name != "xmlns" {
+        Cow::Borrowed(name)
+    } else {
+        encode_name(name)
+    }
+}
+
+/// Where an element's name comes from: a name worked out in advance, or a
+/// record key encoded while it is written.
+#[derive(Clone, Copy)]
+enum ElementName<'a> {
+    Verbatim(&'a str),
+    FieldKey(&'a str),
+}
+
+/// A field: one element, or one per item for an array (none for an empty
+/// array).
+fn write_field(out: &mut Vec<u8>, name: ElementName<'_>, value: &Value) {
+    match value {
+        Value::Array(items) => {
+            for item in items {
+                write_element(out, name, item);
+            }
+        }
+        _ => write_element(out, name, value),
+    }
+}
+
+/// One element holding `value`. Reached with an array only for an array
+/// item that is itself an array: that becomes one element whose children
+/// are its items, each named [`NESTED_ARRAY_ITEM_ELEMENT`].
+fn write_element(out: &mut Vec<u8>, name: ElementName<'_>, value: &Value) {
+    out.push(b'<');
+    let name_range = write_element_name(out, name);
+    out.push(b'>');
+    let content_start = out.len();
+    match value {
+        Value::Null => {
+            out.pop();
+            out.extend_from_slice(b" xsi:nil=\"true\"/>");
+            return;
+        }
+        Value::Bool(flag) => out.extend_from_slice(boolean_text(*flag).as_bytes()),
+        Value::Number(number) => write_number_text(out, number),
+        Value::String(text) => out.extend_from_slice(partial_escape(text.as_str()).as_bytes()),
+        Value::Object(fields) => {
+            for (key, field_value) in fields {
+                write_field(out, ElementName::FieldKey(key), field_value);
+            }
+        }
+        Value::Array(items) => {
+            for item in items {
+                write_element(out, ElementName::Verbatim(NESTED_ARRAY_ITEM_ELEMENT), item);
+            }
+        }
+    }
+    if out.len() == content_start {
+        // `<name>` becomes `<name/>`.
+        out.pop();
+        out.extend_from_slice(b"/>");
+    } else {
+        out.extend_from_slice(b"</");
+        out.extend_from_within(name_range);
+        out.push(b'>');
+    }
+}
+
+/// Writes the name and returns where it is, so the end tag can copy it
+/// instead of encoding it again.
+fn write_element_name(out: &mut Vec<u8>, name: ElementName<'_>) -> Range<usize> {
+    let name_start = out.len();
+    match name {
+        ElementName::Verbatim(xml_name) => out.extend_from_slice(xml_name.as_bytes()),
+        ElementName::FieldKey(key) => write_encoded_name(out, key),
+    }
+    name_start..out.len()
+}
+
+/// The number's JSON text as serde_json's `arbitrary_precision` keeps it:
+/// every digit as sent (`1.10` stays `1.10`, no float rounding), the
+/// exponent marker normalized by its parser (`1E400` -> `1e+400`). JSON
+/// number text is digits, `-`, `+`, `.`, `e`, `E`: nothing to escape.
+fn write_number_text(out: &mut Vec<u8>, number: &serde_json::Number) {
+    let text = number.as_str();
+    debug_assert!(
+        text.bytes()
+            .all(|byte| byte.is_ascii_digit() || matches!(byte, b'-' | b'+' | b'.' | b'e' | b'E')),
+        "{text:?} is JSON number text"
+    );
+    out.extend_from_slice(text.as_bytes());
+}
+
+fn is_scalar(value: &Value) -> bool {
+    !matches!(value, Value::Array(_) | Value::Object(_))
+}
+
+fn boolean_text(flag: bool) -> &'static str {
+    if flag { "true" } else { "false" }
+}
+
+/// ` name="value"` with the value escaped by quick-xml's attribute escaping,
+/// which also writes tab, newline and carriage return as character
+/// references (a parser would otherwise normalize them to spaces). quick-xml
+/// exposes that escaping only through [`Attribute`]'s conversion.
+fn write_attribute(out: &mut Vec<u8>, name: &str, value: &str) {
+    let escaped = Attribute::from((name, value));
+    write_raw_attribute(out, name, &escaped.value);
+}
+
+/// [`write_attribute`] for values the caller vouches for (stream name,
+/// report id, namespace: all validated upstream). Should one still hold a
+/// character XML 1.0 forbids, it is written as U+FFFD rather than breaking
+/// the document; records, by contrast, are refused, never altered.
+fn write_document_attribute(out: &mut Vec<u8>, name: &str, value: &str) {
+    if first_forbidden_character(value).is_none() {
+        write_attribute(out, name, value);
+        return;
+    }
+    let replaced: String = value
+        .chars()
+        .map(|character| {
+            if is_forbidden_character(character) {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                character
+            }
+        })
+        .collect();
+    write_attribute(out, name, &replaced);
+}
+
+/// ` name="value"` for a value known to need no escaping.
+fn write_raw_attribute(out: &mut Vec<u8>, name: &str, value: &str) {
+    out.push(b' ');
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b"=\"");
+    out.extend_from_slice(value.as_bytes());
+    out.push(b'"');
+}
+
+fn write_number_attribute(out: &mut Vec<u8>, name: &str, value: impl Display) {
+    out.push(b' ');
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b"=\"");
+    let written = write!(out, "{value}");
+    debug_assert!(written.is_ok(), "writing to a Vec cannot fail");
+    out.push(b'"');
+}
