@@ -1,0 +1,454 @@
+//! Every error the API answers with, and the one place that maps each kind to
+//! an HTTP status code.
+//!
+//! The body is always JSON:
+//! `{"error": {"code": "...", "message": "...", ...details}}`. The message is
+//! a sentence a person can act on; `code` is stable for programs; details
+//! (record index, field path, limits) are extra members next to them.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use quire_messages::StreamNameError;
+use quire_queue::QueueError;
+use serde_json::{Map, Value, json};
+
+use crate::log_reader::LogError;
+use crate::storage::StorageError;
+
+/// `U+0001`: how a character that cannot be shown is named to a person.
+fn code_point(character: char) -> String {
+    format!("U+{:04X}", u32::from(character))
+}
+
+/// What a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("invalid stream name: {0}")]
+    InvalidStreamName(#[from] StreamNameError),
+
+    #[error("{0}; report ids are returned by POST /v1/streams/{{stream}}/reports")]
+    InvalidReportId(String),
+
+    #[error("invalid path: {0}")]
+    InvalidPath(String),
+
+    #[error("invalid query parameter: {0}")]
+    InvalidQuery(String),
+
+    #[error("the request body could not be read: {0}")]
+    BodyUnreadable(String),
+
+    #[error("the request body is not valid JSON: {message} (line {line}, column {column})")]
+    InvalidJson {
+        message: String,
+        line: usize,
+        column: usize,
+    },
+
+    #[error(
+        "line {line} of the NDJSON body (record {index}) is not valid JSON: {message}; send one JSON object per line"
+    )]
+    InvalidNdjsonLine {
+        index: usize,
+        line: usize,
+        message: String,
+    },
+
+    #[error(
+        "the body is not a JSON array; send [{{...}}, {{...}}] with Content-Type application/json, or one object per line with application/x-ndjson"
+    )]
+    NotAnArray,
+
+    #[error("the definition is not valid: {0}")]
+    InvalidDefinition(String),
+
+    #[error("{0}")]
+    Unauthorized(AuthFailure),
+
+    #[error("no route {method} {path}; the API lives under /v1 (see README.md)")]
+    RouteNotFound { method: String, path: String },
+
+    #[error("{method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+
+    #[error(
+        "the request body is larger than {limit} bytes (api.max_body_bytes); split the records over several requests"
+    )]
+    BodyTooLarge { limit: usize },
+
+    #[error(
+        "the request holds {count} records, more than the {limit} allowed (api.max_records_per_request); split it over several requests"
+    )]
+    TooManyRecords { count: usize, limit: usize },
+
+    #[error(
+        "record {index} is {bytes} bytes, more than the {limit} allowed for one record (api.max_record_bytes); nothing was published"
+    )]
+    RecordTooLarge {
+        index: usize,
+        bytes: usize,
+        limit: usize,
+    },
+
+    #[error(
+        "unsupported Content-Type {found}; send application/json (an array of objects) or application/x-ndjson (one object per line)"
+    )]
+    UnsupportedMediaType { found: String },
+
+    #[error(
+        "record {index} is {found}, not a JSON object; every record must be a JSON object; nothing was published"
+    )]
+    NotAnObject { index: usize, found: &'static str },
+
+    #[error("record {index} cannot be read: {message}; nothing was published")]
+    InvalidRecord { index: usize, message: String },
+
+    #[error(
+        "record {index}: {} {path} contains {}, a character XML 1.0 does not allow; remove or replace it; nothing was published",
+        if *.in_name { "the name of field" } else { "field" },
+        code_point(*.character)
+    )]
+    ForbiddenCharacter {
+        index: usize,
+        path: String,
+        character: char,
+        /// In the field's name rather than its value.
+        in_name: bool,
+    },
+
+    #[error("report {id} was never issued{reason}")]
+    ReportNotFound { id: String, reason: &'static str },
+
+    #[error(
+        "stream {stream} has no definition set through this API, so its reports use the default one; PUT /v1/streams/{stream}/definition sets one"
+    )]
+    DefinitionNotFound { stream: String },
+
+    #[error(
+        "report {id} is still pending: its document is not complete yet; GET /v1/reports/{id} says when it is"
+    )]
+    ReportPending { id: String },
+
+    #[error(
+        "report {id} is complete, but its document s3 key {key} is missing from the bucket; it was deleted after the report completed"
+    )]
+    ReportContentGone { id: String, key: String },
+
+    #[error("{0}")]
+    Publish(#[from] QueueError),
+
+    #[error("{0}")]
+    Log(#[from] LogError),
+
+    #[error("{0}")]
+    Storage(#[from] StorageError),
+
+    #[error(
+        "the definition was published (message {id}) and is in force, but its readable copy could not be written: {source}; PUT it again to refresh the copy"
+    )]
+    DefinitionCopyFailed { id: String, source: StorageError },
+
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Why a request was not let in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AuthFailure {
+    #[error(
+        "this endpoint needs an `Authorization: Bearer <token>` header with one of the tokens in api.auth_tokens"
+    )]
+    Missing,
+    #[error("the bearer token is not one of the tokens in api.auth_tokens")]
+    Rejected,
+}
+
+impl ApiError {
+    /// The one mapping from error kinds to HTTP status codes.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidStreamName(_)
+            | ApiError::InvalidReportId(_)
+            | ApiError::InvalidPath(_)
+            | ApiError::InvalidQuery(_)
+            | ApiError::BodyUnreadable(_)
+            | ApiError::InvalidJson { .. }
+            | ApiError::InvalidNdjsonLine { .. }
+            | ApiError::NotAnArray
+            | ApiError::Storage(StorageError::BadContinuation) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::RouteNotFound { .. }
+            | ApiError::ReportNotFound { .. }
+            | ApiError::DefinitionNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::ReportPending { .. } => StatusCode::CONFLICT,
+            ApiError::ReportContentGone { .. } => StatusCode::GONE,
+            ApiError::BodyTooLarge { .. }
+            | ApiError::TooManyRecords { .. }
+            | ApiError::RecordTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::NotAnObject { .. }
+            | ApiError::InvalidRecord { .. }
+            | ApiError::ForbiddenCharacter { .. }
+            | ApiError::InvalidDefinition(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Publish(
+                QueueError::TopicMismatch(_) | QueueError::ProtectedProperty { .. },
+            )
+            | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Publish(_)
+            | ApiError::Log(_)
+            | ApiError::Storage(_)
+            | ApiError::DefinitionCopyFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// A stable name for programs.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::InvalidStreamName(_) => "invalid_stream_name",
+            ApiError::InvalidReportId(_) => "invalid_report_id",
+            ApiError::InvalidPath(_) => "invalid_path",
+            ApiError::InvalidQuery(_) => "invalid_query",
+            ApiError::BodyUnreadable(_) => "body_unreadable",
+            ApiError::InvalidJson { .. } | ApiError::InvalidNdjsonLine { .. } => "invalid_json",
+            ApiError::NotAnArray => "not_an_array",
+            ApiError::InvalidDefinition(_) => "invalid_definition",
+            ApiError::Unauthorized(_) => "unauthorized",
+            ApiError::RouteNotFound { .. } => "not_found",
+            ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::TooManyRecords { .. } => "too_many_records",
+            ApiError::RecordTooLarge { .. } => "record_too_large",
+            ApiError::UnsupportedMediaType { .. } => "unsupported_media_type",
+            ApiError::NotAnObject { .. } => "record_not_an_object",
+            ApiError::InvalidRecord { .. } => "invalid_record",
+            ApiError::ForbiddenCharacter { .. } => "forbidden_character",
+            ApiError::ReportNotFound { .. } => "report_not_found",
+            ApiError::DefinitionNotFound { .. } => "definition_not_found",
+            ApiError::ReportPending { .. } => "report_pending",
+            ApiError::ReportContentGone { .. } => "report_content_gone",
+            ApiError::Publish(QueueError::ProducerFatal(_)) => "producer_unavailable",
+            ApiError::Publish(QueueError::EnqueuerStopped) => "shutting_down",
+            ApiError::Publish(_) => "publish_failed",
+            ApiError::Log(LogError::NotYetStable { .. }) => "report_not_yet_readable",
+            ApiError::Log(_) => "kafka_unavailable",
+            ApiError::Storage(StorageError::BadContinuation) => "invalid_query",
+            ApiError::Storage(_) => "storage_unavailable",
+            ApiError::DefinitionCopyFailed { .. } => "definition_copy_failed",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    /// Members added next to `code` and `message`, for programs.
+    fn details(&self) -> Map<String, Value> {
+        let details = match self {
+            ApiError::InvalidJson { line, column, .. } => json!({"line": line, "column": column}),
+            ApiError::InvalidNdjsonLine { index, line, .. } => {
+                json!({"index": index, "line": line})
+            }
+            ApiError::BodyTooLarge { limit } => json!({"limit": limit}),
+            ApiError::TooManyRecords { count, limit } => json!({"count": count, "limit": limit}),
+            ApiError::RecordTooLarge {
+                index,
+                bytes,
+                limit,
+            } => json!({"index": index, "bytes": bytes, "limit": limit}),
+            ApiError::NotAnObject { index, found } => json!({"index": index, "found": found}),
+            ApiError::InvalidRecord { index, .. } => json!({"index": index}),
+            ApiError::ForbiddenCharacter {
+                index,
+                path,
+                character,
+                in_name,
+            } => json!({
+                "index": index,
+                "path": path,
+                "character": code_point(*character),
+                "in": if *in_name { "name" } else { "value" },
+            }),
+            ApiError::ReportNotFound { id, .. }
+            | ApiError::ReportPending { id }
+            | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
+            ApiError::DefinitionNotFound { stream } => json!({"stream": stream}),
+            ApiError::DefinitionCopyFailed { id, .. } => json!({"id": id}),
+            _ => json!({}),
+        };
+        match details {
+            Value::Object(members) => members,
+            _ => Map::new(),
+        }
+    }
+
+    /// Whether the problem is on our side (logged as such), not the caller's.
+    fn is_server_side(&self) -> bool {
+        self.status().is_server_error()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if self.is_server_side() {
+            // Server-side messages carry Kafka and S3 errors, never request
+            // bodies or tokens, so they can be logged whole.
+            tracing::error!(code = self.code(), error = %self, "request failed");
+        }
+        let mut body = Map::new();
+        body.insert("code".to_owned(), Value::from(self.code()));
+        body.insert("message".to_owned(), Value::from(self.to_string()));
+        body.extend(self.details());
+        let mut response = (status, axum::Json(json!({ "error": body }))).into_response();
+        let headers = response.headers_mut();
+        if status == StatusCode::UNAUTHORIZED {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"quire\""),
+            );
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response.extensions_mut().insert(ErrorCode(self.code()));
+        response
+    }
+}
+
+/// The error code of a response, for the request log and metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCode(pub &'static str);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
+    async fn body_of(error: ApiError) -> (StatusCode, Value) {
+        let response = error.into_response();
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_forbidden_character_names_record_field_and_character() {
+        let (status, body) = body_of(ApiError::ForbiddenCharacter {
+            index: 3,
+            path: "a.b[1]".into(),
+            character: '\u{1}',
+            in_name: false,
+        })
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+        let error = &body["error"];
+        assert_eq!(error["code"], "forbidden_character");
+        assert_eq!(error["index"], 3);
+        assert_eq!(error["path"], "a.b[1]");
+        assert_eq!(error["character"], "U+0001");
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains("record 3"), "{message}");
+        assert!(message.contains("a.b[1]"), "{message}");
+        assert!(message.contains("nothing was published"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn limits_are_413_with_the_limit_named() {
+        let (status, body) = body_of(ApiError::TooManyRecords {
+            count: 11,
+            limit: 10,
+        })
+        .await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(body["error"]["limit"], 10);
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("api.max_records_per_request")
+        );
+        let (status, _) = body_of(ApiError::BodyTooLarge { limit: 5 }).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[test]
+    fn each_kind_has_its_status() {
+        let cases: Vec<(ApiError, u16, &str)> = vec![
+            (
+                ApiError::InvalidStreamName(StreamNameError::BadCharacter('/')),
+                400,
+                "invalid_stream_name",
+            ),
+            (
+                ApiError::InvalidReportId("bad".into()),
+                400,
+                "invalid_report_id",
+            ),
+            (ApiError::NotAnArray, 400, "not_an_array"),
+            (
+                ApiError::Unauthorized(AuthFailure::Missing),
+                401,
+                "unauthorized",
+            ),
+            (
+                ApiError::ReportNotFound {
+                    id: "s~1-2".into(),
+                    reason: "",
+                },
+                404,
+                "report_not_found",
+            ),
+            (
+                ApiError::ReportPending { id: "s~1-2".into() },
+                409,
+                "report_pending",
+            ),
+            (
+                ApiError::UnsupportedMediaType {
+                    found: "text/plain".into(),
+                },
+                415,
+                "unsupported_media_type",
+            ),
+            (
+                ApiError::NotAnObject {
+                    index: 0,
+                    found: "an array",
+                },
+                422,
+                "record_not_an_object",
+            ),
+            (
+                ApiError::InvalidDefinition("x".into()),
+                422,
+                "invalid_definition",
+            ),
+            (
+                ApiError::Publish(QueueError::TransactionAborted(KafkaError::Canceled)),
+                503,
+                "publish_failed",
+            ),
+            (
+                ApiError::Publish(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                    RDKafkaErrorCode::Fatal,
+                ))),
+                503,
+                "producer_unavailable",
+            ),
+            (ApiError::Internal("x".into()), 500, "internal"),
+        ];
+        for (error, status, code) in cases {
+            assert_eq!(error.status().as_u16(), status, "{error:?}");
+            assert_eq!(error.code(), code, "{error:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn unauthorized_asks_for_a_bearer_token() {
+        let response = ApiError::Unauthorized(AuthFailure::Rejected).into_response();
+        assert_eq!(
+            response.headers()[header::WWW_AUTHENTICATE],
+            "Bearer realm=\"quire\""
+        );
+    }
+}

@@ -1,0 +1,23 @@
+//! quire's producer API: records in (arrays, all or nothing, one Kafka
+//! transaction per array, shared between concurrent requests by group
+//! commit), cuts, definitions, report status and download.
+//!
+//! [`Application::build`] binds the listener first (port 0 picks a free
+//! one), checks the topics, connects the producers and returns an
+//! application that [`Application::run_until_stopped`] serves until SIGTERM
+//! or ctrl-c. Routes are listed in [`startup::router`]; errors, and their
+//! HTTP status codes, in [`errors::ApiError`].
+
+pub mod auth;
+pub mod errors;
+pub mod log_reader;
+pub mod metrics;
+pub mod publish;
+pub mod routes;
+pub mod startup;
+pub mod state;
+pub mod storage;
+pub mod validation;
+
+pub use errors::ApiError;
+pub use startup::{Application, StartupError};

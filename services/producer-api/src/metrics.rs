@@ -1,0 +1,294 @@
+//! Prometheus metrics of the API, the middleware that counts every request,
+//! and the `/metrics` exposition.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::errors::ErrorCode;
+use crate::state::AppState;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    method: String,
+    /// The route's template (`/v1/streams/{stream}/records`), never the raw
+    /// path, so stream names do not explode the label set.
+    route: String,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    code: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every metric the API exports.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: HistogramFamily<RequestLabels>,
+    errors: Family<ErrorLabels, Counter>,
+    in_flight: Gauge,
+    records_accepted: Counter,
+    arrays_accepted: Counter,
+    array_records: Histogram,
+    enqueue_seconds: Histogram,
+    cuts: Counter,
+    definitions: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("quire_api");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "HTTP requests answered, by method, route and status",
+            requests.clone(),
+        );
+        let request_seconds: HistogramFamily<RequestLabels> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "http_request_duration_seconds",
+            "Time to answer an HTTP request (until the response head), by method, route and status",
+            request_seconds.clone(),
+        );
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "http_errors",
+            "Error answers, by error code",
+            errors.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "http_requests_in_flight",
+            "HTTP requests being handled",
+            in_flight.clone(),
+        );
+        let records_accepted = Counter::default();
+        registry.register(
+            "records_accepted",
+            "Records published (committed) to Kafka",
+            records_accepted.clone(),
+        );
+        let arrays_accepted = Counter::default();
+        registry.register(
+            "arrays_accepted",
+            "Record arrays (requests) published to Kafka",
+            arrays_accepted.clone(),
+        );
+        let array_records = Histogram::new(exponential_buckets(1.0, 4.0, 10));
+        registry.register(
+            "array_records",
+            "Records per accepted array",
+            array_records.clone(),
+        );
+        let enqueue_seconds = latency_histogram();
+        registry.register(
+            "enqueue_duration_seconds",
+            "Time an array waits for its (group-commit) Kafka transaction to commit",
+            enqueue_seconds.clone(),
+        );
+        let cuts = Counter::default();
+        registry.register("cuts", "Cut markers published", cuts.clone());
+        let definitions = Counter::default();
+        registry.register(
+            "definitions",
+            "Definition changes published",
+            definitions.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            request_seconds,
+            errors,
+            in_flight,
+            records_accepted,
+            arrays_accepted,
+            array_records,
+            enqueue_seconds,
+            cuts,
+            definitions,
+        }
+    }
+
+    pub fn array_accepted(&self, records: usize, enqueue_time: Duration) {
+        self.records_accepted.inc_by(records as u64);
+        self.arrays_accepted.inc();
+        self.array_records.observe(records as f64);
+        self.enqueue_seconds.observe(enqueue_time.as_secs_f64());
+    }
+
+    pub fn cut_published(&self) {
+        self.cuts.inc();
+    }
+
+    pub fn definition_published(&self) {
+        self.definitions.inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut text = String::with_capacity(8192);
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("writing to a String cannot fail");
+        text
+    }
+
+    fn request_answered(
+        &self,
+        labels: RequestLabels,
+        elapsed: Duration,
+        code: Option<&'static str>,
+    ) {
+        self.request_seconds
+            .get_or_create(&labels)
+            .observe(elapsed.as_secs_f64());
+        self.requests.get_or_create(&labels).inc();
+        if let Some(code) = code {
+            self.errors.get_or_create(&ErrorLabels { code }).inc();
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Counts and times every request, and logs it (method, route, status,
+/// latency; never headers or bodies).
+pub async fn track_requests(
+    State(metrics): State<Arc<Metrics>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let method = request.method().as_str().to_owned();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_owned();
+    let in_flight = InFlight::enter(&metrics.in_flight);
+    let response = next.run(request).await;
+    drop(in_flight);
+    let elapsed = started.elapsed();
+    let status = response.status();
+    let code = response.extensions().get::<ErrorCode>().map(|code| code.0);
+    let latency_ms = elapsed.as_secs_f64() * 1000.0;
+    if status.is_server_error() {
+        tracing::warn!(%method, %route, status = status.as_u16(), code, latency_ms, "request failed");
+    } else if status.is_client_error() {
+        tracing::info!(%method, %route, status = status.as_u16(), code, latency_ms, "request refused");
+    } else {
+        tracing::debug!(%method, %route, status = status.as_u16(), latency_ms, "request");
+    }
+    metrics.request_answered(
+        RequestLabels {
+            method,
+            route,
+            status: status.as_u16(),
+        },
+        elapsed,
+        code,
+    );
+    response
+}
+
+/// Counts a request in flight until dropped, also when the client goes away
+/// and the request's future is dropped mid-way.
+struct InFlight<'a>(&'a Gauge);
+
+impl<'a> InFlight<'a> {
+    fn enter(gauge: &'a Gauge) -> Self {
+        gauge.inc();
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// `GET /metrics`.
+pub async fn exposition(State(state): State<AppState>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        )],
+        state.metrics.encode(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_names_routes_not_paths() {
+        let metrics = Metrics::new();
+        metrics.request_answered(
+            RequestLabels {
+                method: "POST".into(),
+                route: "/v1/streams/{stream}/records".into(),
+                status: 200,
+            },
+            Duration::from_millis(3),
+            None,
+        );
+        metrics.request_answered(
+            RequestLabels {
+                method: "POST".into(),
+                route: "/v1/streams/{stream}/records".into(),
+                status: 422,
+            },
+            Duration::from_millis(1),
+            Some("forbidden_character"),
+        );
+        metrics.array_accepted(250, Duration::from_millis(2));
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                r#"quire_api_http_requests_total{method="POST",route="/v1/streams/{stream}/records",status="200"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"quire_api_http_errors_total{code="forbidden_character"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("quire_api_records_accepted_total 250"),
+            "{text}"
+        );
+        assert!(
+            text.contains("quire_api_http_request_duration_seconds_bucket"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,203 @@
+//! A stream's report definition: published as a control message on the
+//! stream's key (the log is what decides documents), with a readable copy in
+//! the bucket for `GET`.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use quire_messages::{CURRENT_VERSION, Definition, MessageKind, StreamName};
+use quire_queue::MessageId;
+use serde::{Deserialize, Serialize};
+
+use crate::errors::ApiError;
+use crate::routes::{StreamPath, read_body};
+use crate::state::AppState;
+use crate::storage::definition_key;
+use crate::validation::without_position;
+
+/// A definition is a few names; anything larger is a mistake.
+const MAX_DEFINITION_BYTES: usize = 64 * 1024;
+
+/// The answer of `PUT` and the readable copy `GET` returns.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StoredDefinition {
+    pub stream: StreamName,
+    /// The control message's `partition-offset`: documents whose first
+    /// record comes after it use this definition.
+    pub id: String,
+    pub definition: Definition,
+}
+
+impl StoredDefinition {
+    /// Partition and offset of `id`, to order two copies.
+    fn position(&self) -> Option<(i32, i64)> {
+        let (partition, offset) = self.id.split_once('-')?;
+        Some((partition.parse().ok()?, offset.parse().ok()?))
+    }
+}
+
+/// `PUT /v1/streams/{stream}/definition`.
+pub async fn put_definition(
+    State(state): State<AppState>,
+    StreamPath(stream): StreamPath,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+        let content_type = String::from_utf8_lossy(content_type.as_bytes());
+        let media_type = content_type.split(';').next().unwrap_or_default().trim();
+        if !media_type.eq_ignore_ascii_case("application/json") {
+            return Err(ApiError::UnsupportedMediaType {
+                found: content_type.into_owned(),
+            });
+        }
+    }
+    let body = read_body(body, &headers, MAX_DEFINITION_BYTES).await?;
+    let definition = parse_definition(&body)?;
+    let message = state.records_topic.control_message(
+        MessageKind::Definition,
+        &stream,
+        quire_messages::encode(&definition),
+    );
+    let ids = state.publisher.publish(vec![message]).await?;
+    let landed: MessageId = *ids
+        .first()
+        .ok_or_else(|| ApiError::Internal("kafka returned no id for the definition".into()))?;
+    state.metrics.definition_published();
+    tracing::info!(%stream, id = %landed, "definition published");
+    let stored = StoredDefinition {
+        stream,
+        id: landed.to_string(),
+        definition,
+    };
+    keep_readable_copy(&state, &stored).await?;
+    Ok((StatusCode::ACCEPTED, Json(stored)).into_response())
+}
+
+/// Parses and validates a definition: unknown fields, bad XML names,
+/// colliding renames and versions newer than this release are refused.
+fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
+    let definition: Definition = serde_json::from_slice(body).map_err(|error| {
+        if error.is_data() {
+            ApiError::InvalidDefinition(error.to_string())
+        } else {
+            ApiError::InvalidJson {
+                message: without_position(&error),
+                line: error.line(),
+                column: error.column(),
+            }
+        }
+    })?;
+    if definition.v > CURRENT_VERSION {
+        return Err(ApiError::InvalidDefinition(format!(
+            "version {} is newer than this release writes ({CURRENT_VERSION})",
+            definition.v
+        )));
+    }
+    definition
+        .validate()
+        .map_err(|error| ApiError::InvalidDefinition(error.to_string()))?;
+    Ok(definition)
+}
+
+/// Writes `definitions/{stream}.json` unless the copy there is of a later
+/// control message (another PUT overtook this one). The log stays the truth;
+/// if this write fails the definition is still in force, and the error says
+/// so.
+async fn keep_readable_copy(state: &AppState, stored: &StoredDefinition) -> Result<(), ApiError> {
+    let key = definition_key(&stored.stream);
+    let copy_failed = |source| ApiError::DefinitionCopyFailed {
+        id: stored.id.clone(),
+        source,
+    };
+    let existing = state.storage.get_small(&key).await.map_err(copy_failed)?;
+    let newer_exists = existing
+        .and_then(|bytes| serde_json::from_slice::<StoredDefinition>(&bytes).ok())
+        .and_then(|existing| existing.position())
+        .zip(stored.position())
+        .is_some_and(|(existing, ours)| existing > ours);
+    if newer_exists {
+        return Ok(());
+    }
+    let body = serde_json::to_vec_pretty(stored).expect("a definition always serialises");
+    state
+        .storage
+        .put_json(&key, body)
+        .await
+        .map_err(copy_failed)
+}
+
+/// `GET /v1/streams/{stream}/definition`: the readable copy, as stored.
+pub async fn get_definition(
+    State(state): State<AppState>,
+    StreamPath(stream): StreamPath,
+) -> Result<Response, ApiError> {
+    let key = definition_key(&stream);
+    let Some(bytes) = state.storage.get_small(&key).await? else {
+        return Err(ApiError::DefinitionNotFound {
+            stream: stream.to_string(),
+        });
+    };
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        bytes,
+    )
+        .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_valid_definition_is_parsed_with_defaults() {
+        let definition =
+            parse_definition(br#"{"root":"orders","attributes":["id"],"renames":{"a b":"ab"}}"#)
+                .unwrap();
+        assert_eq!(definition.root, "orders");
+        assert_eq!(definition.record, "record");
+        assert_eq!(definition.v, CURRENT_VERSION);
+    }
+
+    #[test]
+    fn unknown_fields_bad_names_and_newer_versions_are_422() {
+        for body in [
+            &br#"{"rot":"orders"}"#[..],
+            br#"{"root":"1orders"}"#,
+            br#"{"record":"summary"}"#,
+            br#"{"renames":{"a":"x","b":"x"}}"#,
+            br#"{"v":99}"#,
+            br#"{"gzip":"yes"}"#,
+        ] {
+            let error = parse_definition(body).unwrap_err();
+            assert!(
+                matches!(error, ApiError::InvalidDefinition(_)),
+                "{}: {error:?}",
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(error.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        }
+    }
+
+    #[test]
+    fn broken_json_is_400() {
+        let error = parse_definition(br#"{"root": "#).unwrap_err();
+        assert_eq!(error.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn copies_are_ordered_by_their_message_position() {
+        let copy = |id: &str| StoredDefinition {
+            stream: StreamName::new("s").unwrap(),
+            id: id.to_owned(),
+            definition: Definition::default(),
+        };
+        assert!(copy("3-10").position() > copy("3-9").position());
+        assert_eq!(copy("garbage").position(), None);
+    }
+}

@@ -1,0 +1,104 @@
+//! `/healthz` (the process answers) and `/readyz` (Kafka and S3 answer, and
+//! every producer is usable). Both stay open when authentication is on.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Serialize;
+
+use crate::state::AppState;
+
+/// How long each readiness check may take.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Serialize)]
+pub struct Health {
+    pub status: &'static str,
+}
+
+/// `GET /healthz`.
+pub async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+#[derive(Debug, Serialize)]
+pub struct Readiness {
+    /// `ready` or `not_ready`.
+    pub status: &'static str,
+    pub checks: Checks,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Checks {
+    pub kafka: Check,
+    pub s3: Check,
+    pub producers: Check,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Check {
+    pub ok: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Check {
+    fn from_result<E: std::fmt::Display>(result: Result<(), E>) -> Self {
+        match result {
+            Ok(()) => Check {
+                ok: true,
+                error: None,
+            },
+            Err(error) => Check {
+                ok: false,
+                error: Some(error.to_string()),
+            },
+        }
+    }
+}
+
+/// `GET /readyz`: 200 when every check passes, 503 naming the failed ones.
+pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readiness>) {
+    let (kafka, s3) = tokio::join!(
+        state.log.check_reachable(CHECK_TIMEOUT),
+        state.storage.check_bucket(CHECK_TIMEOUT),
+    );
+    let unusable = state.publisher.unusable_producers();
+    let producers = if unusable.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "producers {} are fenced or unusable (does another replica use api.replica_id {}?)",
+            unusable.join(", "),
+            state.replica_id
+        ))
+    };
+    let checks = Checks {
+        kafka: Check::from_result(kafka),
+        s3: Check::from_result(s3),
+        producers: Check::from_result(producers),
+    };
+    let ready = checks.kafka.ok && checks.s3.ok && checks.producers.ok;
+    if !ready {
+        tracing::warn!(
+            kafka = checks.kafka.ok,
+            s3 = checks.s3.ok,
+            producers = checks.producers.ok,
+            "not ready"
+        );
+    }
+    let (status, word) = if ready {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not_ready")
+    };
+    (
+        status,
+        Json(Readiness {
+            status: word,
+            checks,
+        }),
+    )
+}

@@ -1,0 +1,96 @@
+//! `POST /v1/streams/{stream}/records`: ingest an array of records.
+
+use std::time::Instant;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use quire_queue::{MessageId, OutMessage};
+use serde::{Serialize, Serializer};
+
+use crate::errors::ApiError;
+use crate::routes::{StreamPath, read_body};
+use crate::state::AppState;
+use crate::validation::{BodyFormat, parse_records};
+
+/// `{"count": n, "ids": ["partition-offset", ...]}`, one id per record in order.
+#[derive(Debug, Serialize)]
+pub struct RecordsAccepted {
+    pub count: usize,
+    pub ids: Vec<DisplayedId>,
+}
+
+/// A message id written as `partition-offset`, without a String per id.
+#[derive(Debug)]
+pub struct DisplayedId(pub MessageId);
+
+impl Serialize for DisplayedId {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&self.0)
+    }
+}
+
+/// All or nothing: every record is checked before any is published, and
+/// the array is published in one transaction (possibly shared with other
+/// requests' arrays by group commit).
+pub async fn post_records(
+    State(state): State<AppState>,
+    StreamPath(stream): StreamPath,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<RecordsAccepted>, ApiError> {
+    let format = BodyFormat::from_headers(&headers)?;
+    let body = read_body(body, &headers, state.limits.max_body_bytes).await?;
+    let records = parse_records(&body, format, &state.limits)?;
+    if records.is_empty() {
+        return Ok(Json(RecordsAccepted {
+            count: 0,
+            ids: Vec::new(),
+        }));
+    }
+    let messages: Vec<OutMessage> = records
+        .iter()
+        .map(|record| state.records_topic.record_message(&stream, record))
+        .collect();
+    let count = messages.len();
+    let enqueued_at = Instant::now();
+    let ids = state.publisher.publish(messages).await?;
+    state.metrics.array_accepted(count, enqueued_at.elapsed());
+    if ids.len() != count {
+        return Err(ApiError::Internal(format!(
+            "kafka returned {} ids for {count} records",
+            ids.len()
+        )));
+    }
+    Ok(Json(RecordsAccepted {
+        count,
+        ids: ids.into_iter().map(DisplayedId).collect(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_written_partition_dash_offset() {
+        let accepted = RecordsAccepted {
+            count: 2,
+            ids: vec![
+                DisplayedId(MessageId {
+                    partition: 3,
+                    offset: 41,
+                }),
+                DisplayedId(MessageId {
+                    partition: 3,
+                    offset: 42,
+                }),
+            ],
+        };
+        assert_eq!(
+            serde_json::to_string(&accepted).unwrap(),
+            r#"{"count":2,"ids":["3-41","3-42"]}"#
+        );
+    }
+}

@@ -1,0 +1,237 @@
+//! Reports: cut now, status, content (streamed from S3), and a stream's list.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::{StreamExt, TryStreamExt};
+use quire_messages::{CutMarker, Manifest, MessageKind, ReportId, StreamName};
+use serde::{Deserialize, Serialize};
+
+use crate::errors::ApiError;
+use crate::log_reader::CutLookup;
+use crate::routes::{ReportPath, StreamPath};
+use crate::state::AppState;
+
+/// Where a report stands. `report.failed` may join later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReportStatus {
+    Pending,
+    Completed,
+}
+
+/// `GET /v1/reports/{id}` and the items of a list.
+#[derive(Debug, Serialize)]
+pub struct ReportView {
+    pub report_id: ReportId,
+    pub stream: StreamName,
+    pub status: ReportStatus,
+    /// The manifest (key, offsets, records, bytes, sha256, trigger, times),
+    /// once completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<Manifest>,
+    /// Where the document is downloaded, once completed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+impl ReportView {
+    fn pending(id: ReportId) -> Self {
+        ReportView {
+            stream: id.stream.clone(),
+            report_id: id,
+            status: ReportStatus::Pending,
+            manifest: None,
+            content: None,
+        }
+    }
+
+    fn completed(id: ReportId, manifest: Manifest) -> Self {
+        ReportView {
+            stream: id.stream.clone(),
+            content: Some(content_path(&id)),
+            report_id: id,
+            status: ReportStatus::Completed,
+            manifest: Some(manifest),
+        }
+    }
+}
+
+fn report_path(id: &ReportId) -> String {
+    format!("/v1/reports/{id}")
+}
+
+fn content_path(id: &ReportId) -> String {
+    format!("/v1/reports/{id}/content")
+}
+
+/// `POST /v1/streams/{stream}/reports`: publishes an explicit cut marker on
+/// the stream's key. Every record accepted for the stream before this call
+/// is in this report or an earlier one.
+pub async fn post_cut(
+    State(state): State<AppState>,
+    StreamPath(stream): StreamPath,
+) -> Result<Response, ApiError> {
+    let marker = state.records_topic.control_message(
+        MessageKind::Cut,
+        &stream,
+        quire_messages::encode(&CutMarker::explicit()),
+    );
+    let ids = state.publisher.publish(vec![marker]).await?;
+    let landed = ids
+        .first()
+        .ok_or_else(|| ApiError::Internal("kafka returned no id for the cut marker".into()))?;
+    state.metrics.cut_published();
+    let id = ReportId {
+        stream,
+        partition: landed.partition,
+        offset: landed.offset,
+    };
+    tracing::info!(report_id = %id, "report cut");
+    let location = HeaderValue::try_from(report_path(&id))
+        .map_err(|error| ApiError::Internal(error.to_string()))?;
+    Ok((
+        StatusCode::ACCEPTED,
+        [(header::LOCATION, location)],
+        Json(ReportView::pending(id)),
+    )
+        .into_response())
+}
+
+/// `GET /v1/reports/{id}`.
+pub async fn get_report(
+    State(state): State<AppState>,
+    ReportPath(id): ReportPath,
+) -> Result<Json<ReportView>, ApiError> {
+    Ok(Json(report_state(&state, id).await?))
+}
+
+/// Completed if its manifest is in the bucket; otherwise pending if the log
+/// holds its cut marker; otherwise never issued (404). The manifest is
+/// looked at first: it answers completed reports without Kafka, also after
+/// retention deleted their marker.
+async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiError> {
+    if let Some(manifest) = state.storage.manifest(&id).await? {
+        return Ok(ReportView::completed(id, manifest));
+    }
+    match state.log.find_cut(&id).await? {
+        CutLookup::Issued => Ok(ReportView::pending(id)),
+        CutLookup::NotIssued(reason) => Err(ApiError::ReportNotFound {
+            id: id.to_string(),
+            reason,
+        }),
+    }
+}
+
+/// `GET /v1/reports/{id}/content`: the document, streamed from S3 as it
+/// arrives (never held in memory whole).
+pub async fn get_report_content(
+    State(state): State<AppState>,
+    ReportPath(id): ReportPath,
+) -> Result<Response, ApiError> {
+    let view = report_state(&state, id).await?;
+    let Some(manifest) = view.manifest else {
+        return Err(ApiError::ReportPending {
+            id: view.report_id.to_string(),
+        });
+    };
+    let Some(object) = state.storage.open(&manifest.key).await? else {
+        return Err(ApiError::ReportContentGone {
+            id: view.report_id.to_string(),
+            key: manifest.key,
+        });
+    };
+    let content_type = if manifest.key.ends_with(".gz") {
+        "application/gzip"
+    } else {
+        "application/xml"
+    };
+    let chunks = futures::stream::unfold(object.body, |mut body| async move {
+        body.next().await.map(|chunk| (chunk, body))
+    });
+    let mut response = Response::new(Body::from_stream(chunks));
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    if let Some(length) = object
+        .content_length
+        .and_then(|length| u64::try_from(length).ok())
+    {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    if let Ok(digest) = HeaderValue::try_from(manifest.sha256.as_str()) {
+        headers.insert("x-quire-sha256", digest);
+    }
+    Ok(response)
+}
+
+/// Query of `GET /v1/streams/{stream}/reports`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Reports per page, 1-1000 (default 100).
+    pub limit: Option<u32>,
+    /// The `continuation` of the previous page.
+    pub continuation: Option<String>,
+}
+
+const DEFAULT_PAGE: u32 = 100;
+const MAX_PAGE: u32 = 1000;
+/// Manifests fetched at once while building a page.
+const MANIFEST_FETCHES: usize = 16;
+
+/// `{"stream": ..., "reports": [...], "continuation": "..." | null}`.
+#[derive(Debug, Serialize)]
+pub struct ReportPage {
+    pub stream: StreamName,
+    pub reports: Vec<ReportView>,
+    /// Pass as `?continuation=` for the next page; null on the last one.
+    pub continuation: Option<String>,
+}
+
+/// `GET /v1/streams/{stream}/reports`: the stream's completed reports, from
+/// their manifests, a page at a time. Pending reports have no manifest yet
+/// and are not listed. Within a page, reports are in log order.
+pub async fn list_reports(
+    State(state): State<AppState>,
+    StreamPath(stream): StreamPath,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<ReportPage>, ApiError> {
+    let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::InvalidQuery(format!(
+            "limit is {limit}; it must be between 1 and {MAX_PAGE}"
+        )));
+    }
+    let prefix = ReportId::manifest_prefix(&stream);
+    let page = state
+        .storage
+        .list_keys(&prefix, limit as i32, query.continuation)
+        .await?;
+    let storage = &state.storage;
+    let manifests: Vec<Option<Manifest>> = futures::stream::iter(page.keys)
+        .map(|key| async move {
+            match storage.get_small(&key).await? {
+                Some(bytes) => storage.decode_manifest(&key, &bytes).map(Some),
+                // Listed, then deleted: skip it.
+                None => Ok(None),
+            }
+        })
+        .buffered(MANIFEST_FETCHES)
+        .try_collect()
+        .await?;
+    let mut reports: Vec<ReportView> = manifests
+        .into_iter()
+        .flatten()
+        .map(|manifest| ReportView::completed(manifest.report_id.clone(), manifest))
+        .collect();
+    // Keys sort as text ("~3-10" before "~3-9"); a page reads in log order.
+    reports.sort_by_key(|report| (report.report_id.partition, report.report_id.offset));
+    Ok(Json(ReportPage {
+        stream,
+        reports,
+        continuation: page.continuation,
+    }))
+}

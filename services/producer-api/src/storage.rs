@@ -1,0 +1,214 @@
+//! The bucket as the API sees it: manifests, definitions' readable copies,
+//! report documents to stream out, and the readiness probe.
+//!
+//! The API only reads what the workers write (manifests, documents) and
+//! writes one kind of object itself: `definitions/{stream}.json`.
+
+use std::time::Duration;
+
+use aws_sdk_s3::Client;
+use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
+use aws_sdk_s3::primitives::ByteStream;
+use bytes::Bytes;
+use quire_messages::{Manifest, ReportId, StreamName};
+
+/// What an S3 call of the API can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("the S3 call {operation} on s3://{bucket}/{key} failed: {detail}")]
+    Call {
+        operation: &'static str,
+        bucket: String,
+        key: String,
+        detail: String,
+    },
+    #[error("s3://{bucket}/{key} is not a document this release can read: {detail}")]
+    Unreadable {
+        bucket: String,
+        key: String,
+        detail: String,
+    },
+    #[error("the continuation token is not one this listing returned; start again without it")]
+    BadContinuation,
+    #[error("the S3 call {operation} on s3://{bucket} took longer than {timeout:?}")]
+    TimedOut {
+        operation: &'static str,
+        bucket: String,
+        timeout: Duration,
+    },
+}
+
+/// A report document about to be streamed to a client.
+pub struct StoredObject {
+    pub body: ByteStream,
+    pub content_length: Option<i64>,
+}
+
+/// One page of keys under a prefix.
+pub struct KeyPage {
+    pub keys: Vec<String>,
+    /// Present when more keys follow: pass it back to get the next page.
+    pub continuation: Option<String>,
+}
+
+/// The bucket of `s3.bucket`, through the client `quire_s3::build_client` made.
+#[derive(Clone)]
+pub struct Storage {
+    client: Client,
+    bucket: String,
+}
+
+/// Where the API keeps the readable copy of a stream's definition.
+pub fn definition_key(stream: &StreamName) -> String {
+    format!("definitions/{stream}.json")
+}
+
+impl Storage {
+    pub fn new(client: Client, bucket: String) -> Self {
+        Storage { client, bucket }
+    }
+
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// The manifest of a completed report, or None while there is none.
+    pub async fn manifest(&self, id: &ReportId) -> Result<Option<Manifest>, StorageError> {
+        let key = id.manifest_key();
+        let Some(bytes) = self.get_small(&key).await? else {
+            return Ok(None);
+        };
+        self.decode_manifest(&key, &bytes).map(Some)
+    }
+
+    /// Decodes a manifest read from `key`.
+    pub fn decode_manifest(&self, key: &str, bytes: &[u8]) -> Result<Manifest, StorageError> {
+        quire_messages::decode::<Manifest>("manifest", bytes).map_err(|error| {
+            StorageError::Unreadable {
+                bucket: self.bucket.clone(),
+                key: key.to_owned(),
+                detail: error.to_string(),
+            }
+        })
+    }
+
+    /// A small object whole (manifests, definitions), or None if it does not exist.
+    pub async fn get_small(&self, key: &str) -> Result<Option<Bytes>, StorageError> {
+        let Some(object) = self.open(key).await? else {
+            return Ok(None);
+        };
+        let bytes = object
+            .body
+            .collect()
+            .await
+            .map_err(|error| self.call_failed("GetObject", key, &error))?;
+        Ok(Some(bytes.into_bytes()))
+    }
+
+    /// Opens an object for streaming, or None if it does not exist.
+    pub async fn open(&self, key: &str) -> Result<Option<StoredObject>, StorageError> {
+        let answer = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await;
+        match answer {
+            Ok(output) => Ok(Some(StoredObject {
+                content_length: output.content_length(),
+                body: output.body,
+            })),
+            Err(error) if is_not_found(&error) => Ok(None),
+            Err(error) => Err(self.call_failed("GetObject", key, &DisplayErrorContext(&error))),
+        }
+    }
+
+    pub async fn put_json(&self, key: &str, body: Vec<u8>) -> Result<(), StorageError> {
+        self.client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .content_type("application/json")
+            .body(ByteStream::from(body))
+            .send()
+            .await
+            .map_err(|error| self.call_failed("PutObject", key, &DisplayErrorContext(&error)))?;
+        Ok(())
+    }
+
+    /// At most `limit` keys under `prefix`, in the bucket's (lexicographic)
+    /// order, from where `continuation` left off.
+    pub async fn list_keys(
+        &self,
+        prefix: &str,
+        limit: i32,
+        continuation: Option<String>,
+    ) -> Result<KeyPage, StorageError> {
+        let continued = continuation.is_some();
+        let output = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(prefix)
+            .max_keys(limit)
+            .set_continuation_token(continuation)
+            .send()
+            .await
+            .map_err(|error| {
+                let refused = error
+                    .raw_response()
+                    .is_some_and(|response| response.status().as_u16() == 400);
+                if continued && refused {
+                    StorageError::BadContinuation
+                } else {
+                    self.call_failed("ListObjectsV2", prefix, &DisplayErrorContext(&error))
+                }
+            })?;
+        let keys = output
+            .contents()
+            .iter()
+            .filter_map(|object| object.key().map(str::to_owned))
+            .collect();
+        let continuation = match output.is_truncated() {
+            Some(true) => output.next_continuation_token().map(str::to_owned),
+            _ => None,
+        };
+        Ok(KeyPage { keys, continuation })
+    }
+
+    /// HeadBucket, bounded by `timeout`: the readiness probe.
+    pub async fn check_bucket(&self, timeout: Duration) -> Result<(), StorageError> {
+        let call = self.client.head_bucket().bucket(&self.bucket).send();
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => Err(self.call_failed("HeadBucket", "", &DisplayErrorContext(&error))),
+            Err(_elapsed) => Err(StorageError::TimedOut {
+                operation: "HeadBucket",
+                bucket: self.bucket.clone(),
+                timeout,
+            }),
+        }
+    }
+
+    fn call_failed(
+        &self,
+        operation: &'static str,
+        key: &str,
+        error: &dyn std::fmt::Display,
+    ) -> StorageError {
+        StorageError::Call {
+            operation,
+            bucket: self.bucket.clone(),
+            key: key.to_owned(),
+            detail: error.to_string(),
+        }
+    }
+}
+
+/// A 404 from the server (NoSuchKey, or a server that says it differently).
+fn is_not_found<E>(error: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> bool {
+    error
+        .raw_response()
+        .is_some_and(|response| response.status().as_u16() == 404)
+}
