@@ -1,0 +1,156 @@
+//! Loading a partition's watermarks when the worker takes the partition.
+//!
+//! `quire.watermarks` partition p belongs to record partition p. Before the
+//! worker uses record partition p it reads watermark partition p to its end,
+//! after waiting until no transaction is open there (its last stable offset
+//! has reached its high watermark): a dead owner's transaction ends within
+//! the transaction timeout, aborted, and must not be half-read.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use quire_config::KafkaSettings;
+use quire_messages::{StreamName, Watermark};
+use rdkafka::consumer::ConsumerContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::Message;
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+
+use crate::WorkerError;
+
+/// Reads watermark partition `partition` of `topic`: the latest value per stream.
+pub fn load(
+    settings: &KafkaSettings,
+    topic: &str,
+    partition: i32,
+) -> Result<HashMap<StreamName, Watermark>, WorkerError> {
+    let timeout = Duration::from_millis(settings.request_timeout_ms);
+    let committed_reader = reader(settings, "read_committed")?;
+    wait_until_stable(settings, &committed_reader, topic, partition)?;
+
+    let mut assignment = TopicPartitionList::new();
+    assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
+    committed_reader.assign(&assignment)?;
+    let mut watermarks = HashMap::new();
+    let deadline = Instant::now() + timeout;
+    loop {
+        if Instant::now() > deadline {
+            return Err(WorkerError::WatermarksUnstable {
+                partition,
+                waited_ms: timeout.as_millis(),
+            });
+        }
+        match committed_reader.poll(Duration::from_millis(200)) {
+            None => {}
+            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            Some(Err(error)) => return Err(error.into()),
+            Some(Ok(message)) => {
+                let Some(stream) = message
+                    .key()
+                    .and_then(|key| std::str::from_utf8(key).ok())
+                    .and_then(|key| StreamName::new(key).ok())
+                else {
+                    tracing::warn!(
+                        partition,
+                        offset = message.offset(),
+                        "watermark with an invalid key ignored"
+                    );
+                    continue;
+                };
+                match message
+                    .payload()
+                    .map(|payload| quire_messages::decode::<Watermark>("watermark", payload))
+                {
+                    Some(Ok(watermark)) => {
+                        watermarks.insert(stream, watermark);
+                    }
+                    // A tombstone (compaction) forgets the stream.
+                    None => {
+                        watermarks.remove(&stream);
+                    }
+                    Some(Err(error)) => {
+                        return Err(WorkerError::Config(format!(
+                            "watermark of stream {stream} at {topic}[{partition}]@{} is unreadable: {error}",
+                            message.offset()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    tracing::debug!(partition, streams = watermarks.len(), "watermarks loaded");
+    Ok(watermarks)
+}
+
+/// Waits until the partition's last stable offset (what a read_committed
+/// ListOffsets answers) reaches its high watermark (what a read_uncommitted
+/// one answers): no transaction is open there.
+fn wait_until_stable(
+    settings: &KafkaSettings,
+    committed_reader: &Reader,
+    topic: &str,
+    partition: i32,
+) -> Result<(), WorkerError> {
+    let timeout = Duration::from_millis(settings.request_timeout_ms);
+    let uncommitted_reader = reader(settings, "read_uncommitted")?;
+    // A dead owner's transaction is aborted by the broker after the
+    // transaction timeout; wait a little longer than that.
+    let limit = Duration::from_millis(settings.transaction_timeout_ms * 2) + Duration::from_secs(5);
+    let started = Instant::now();
+    loop {
+        let (_, high_watermark) = uncommitted_reader.fetch_watermarks(topic, partition, timeout)?;
+        let (_, last_stable) = committed_reader.fetch_watermarks(topic, partition, timeout)?;
+        if last_stable >= high_watermark {
+            return Ok(());
+        }
+        if started.elapsed() > limit {
+            return Err(WorkerError::WatermarksUnstable {
+                partition,
+                waited_ms: started.elapsed().as_millis(),
+            });
+        }
+        tracing::info!(
+            partition,
+            last_stable,
+            high_watermark,
+            "waiting for an open transaction on the watermarks to end"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The readers' context: reaching the end of the partition is how a load
+/// ends, not an error worth a log line.
+struct QuietAboutTheEnd;
+
+impl ClientContext for QuietAboutTheEnd {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(
+            error.rdkafka_error_code(),
+            Some(rdkafka::error::RDKafkaErrorCode::PartitionEOF)
+        ) {
+            tracing::warn!(error = %error, reason, "watermark reader error");
+        }
+    }
+}
+
+impl ConsumerContext for QuietAboutTheEnd {}
+
+type Reader = BaseConsumer<QuietAboutTheEnd>;
+
+fn reader(settings: &KafkaSettings, isolation_level: &str) -> Result<Reader, WorkerError> {
+    let mut config = ClientConfig::new();
+    for (key, value) in settings.client_properties() {
+        config.set(key, value);
+    }
+    config
+        .set("bootstrap.servers", &settings.bootstrap_servers)
+        // A group id is needed for the consumer queue; this reader never joins
+        // the group (it assigns) and never commits.
+        .set("group.id", "quire-watermark-reader")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", isolation_level);
+    Ok(config.create_with_context(QuietAboutTheEnd)?)
+}

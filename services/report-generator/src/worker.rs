@@ -1,0 +1,621 @@
+//! The worker loop of DESIGN.md: pull an array, append each record to the
+//! open document of its stream, complete documents at their cut markers, then
+//! publish events, watermarks, this worker's own markers and the consumer
+//! offsets in ONE Kafka transaction, with the group metadata.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use quire_config::{Settings, TopicNames, WorkerSettings};
+use quire_messages::{
+    CURRENT_VERSION, CutMarker, DeadLetter, Definition, HEADER_KIND, MessageKind, ReportEvent,
+    ReportEventKind, ReportId, StreamName, Trigger,
+};
+use quire_queue::{
+    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, RebalanceEvent,
+    TransactionalProducer,
+};
+use quire_s3::{S3Bucket, UploadPolicy};
+
+use crate::WorkerError;
+use crate::document::OpenDocument;
+use crate::partition::PartitionState;
+
+/// Serve until stopped, or drain what is queued and exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Run until the stop flag is raised (SIGTERM), then finish the array in
+    /// hand, commit, abort open documents (the next owner renders them again).
+    Serve,
+    /// Once caught up, cut every open document, read up to those markers,
+    /// complete the reports, commit and return.
+    Drain,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    pub arrays: u64,
+    pub records: u64,
+    pub reports: u64,
+    pub dead_letters: u64,
+}
+
+/// Everything the per-message code needs besides the partition's state.
+struct Context {
+    settings: WorkerSettings,
+    topics: TopicNames,
+    bucket: S3Bucket,
+    policy: UploadPolicy,
+}
+
+/// The messages one array's transaction publishes.
+#[derive(Default)]
+struct Outbox {
+    messages: Vec<OutMessage>,
+    reports: u64,
+    records: u64,
+    dead_letters: u64,
+}
+
+pub struct Worker {
+    context: Context,
+    kafka: quire_config::KafkaSettings,
+    consumer: ArrayConsumer,
+    producer: TransactionalProducer,
+    partitions: BTreeMap<i32, PartitionState>,
+}
+
+impl Worker {
+    /// Checks the topics, connects the transactional producer (fencing an
+    /// older instance of this replica) and joins the group.
+    pub async fn build(settings: &Settings) -> Result<Self, WorkerError> {
+        let worker = &settings.worker;
+        if worker.replica_id.is_empty() {
+            return Err(WorkerError::Config(
+                "worker.replica_id must not be empty".into(),
+            ));
+        }
+        let topics = settings.kafka.topics.clone();
+        quire_queue::check_topics(&settings.kafka, &quire_queue::design_topics(&topics, 1)).await?;
+        let transactional_id = format!("{}-{}", worker.transactional_id_prefix, worker.replica_id);
+        let producer = TransactionalProducer::connect(&settings.kafka, &transactional_id).await?;
+        let mut options = ConsumerOptions::new(&worker.group_id, &topics.records);
+        options.group_instance_id = Some(worker.replica_id.clone());
+        options.cooperative = true;
+        let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
+        let bucket = S3Bucket::new(
+            quire_s3::build_client(&settings.s3).await,
+            &settings.s3.bucket,
+        );
+        // Records keep arriving between a rollover decision and its marker
+        // landing in the log, so the declared maximum leaves room for them.
+        let declared_maximum = worker
+            .rollover_bytes
+            .saturating_mul(4)
+            .min(quire_s3::MAXIMUM_OBJECT_SIZE);
+        let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
+        policy.max_in_flight = worker.parts_in_flight.max(1);
+        tracing::info!(
+            replica = %worker.replica_id,
+            transactional_id,
+            group = %worker.group_id,
+            part_size = policy.part_size(),
+            "report generator ready"
+        );
+        Ok(Worker {
+            context: Context {
+                settings: worker.clone(),
+                topics,
+                bucket,
+                policy,
+            },
+            kafka: settings.kafka.clone(),
+            consumer,
+            producer,
+            partitions: BTreeMap::new(),
+        })
+    }
+
+    /// Runs the loop. In serve mode it returns once `stop` is raised; in
+    /// drain mode once everything queued before it was caught up is reported
+    /// (or `stop` is raised).
+    pub async fn run(
+        mut self,
+        mode: Mode,
+        stop: Arc<AtomicBool>,
+    ) -> Result<RunSummary, WorkerError> {
+        let settings = self.context.settings.clone();
+        let max_wait = Duration::from_millis(settings.max_wait_ms);
+        let mut summary = RunSummary::default();
+        let mut draining = false;
+        while !stop.load(Ordering::Acquire) {
+            let array = self
+                .consumer
+                .next_array(settings.max_records, max_wait)
+                .await?;
+            self.handle_rebalances(&array.rebalances).await?;
+            let mut outbox = Outbox::default();
+            for message in &array.messages {
+                self.process(message, &mut outbox).await?;
+            }
+            self.decide_timed_rollovers(&mut outbox);
+            if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records {
+                // The seed's exits (a short array or an empty wait) mean
+                // "caught up" only with every assigned partition at its end.
+                draining = true;
+            }
+            if draining {
+                self.cut_everything_open(&mut outbox);
+            }
+            summary.records += outbox.records;
+            summary.reports += outbox.reports;
+            summary.dead_letters += outbox.dead_letters;
+            self.commit(&array, outbox).await?;
+            summary.arrays += 1;
+            if draining && array.caught_up && self.nothing_open() {
+                tracing::info!(?summary, "drained: everything queued is reported");
+                return Ok(summary);
+            }
+        }
+        self.abort_open_documents().await;
+        tracing::info!(?summary, "stopped");
+        Ok(summary)
+    }
+
+    fn nothing_open(&self) -> bool {
+        self.partitions.values().all(|state| state.open.is_empty())
+    }
+
+    async fn handle_rebalances(&mut self, events: &[RebalanceEvent]) -> Result<(), WorkerError> {
+        for event in events {
+            match event {
+                RebalanceEvent::Assigned(partitions) => {
+                    for &partition in partitions {
+                        self.take_partition(partition).await?;
+                    }
+                }
+                RebalanceEvent::Revoked { partitions, lost } => {
+                    for partition in partitions {
+                        if let Some(state) = self.partitions.remove(partition) {
+                            tracing::info!(
+                                partition,
+                                lost,
+                                open = state.open.len(),
+                                "partition revoked: aborting its open documents"
+                            );
+                            for (_, document) in state.open {
+                                document.abort().await;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new owner: load the partition's watermarks (after any open
+    /// transaction there ended), then abort the uploads a dead owner left.
+    async fn take_partition(&mut self, partition: i32) -> Result<(), WorkerError> {
+        let kafka = self.kafka.clone();
+        let topic = self.context.topics.watermarks.clone();
+        let watermarks =
+            tokio::task::spawn_blocking(move || crate::watermarks::load(&kafka, &topic, partition))
+                .await??;
+        let file_prefix = format!("{partition:05}-");
+        let aborted = self
+            .context
+            .bucket
+            .abort_pending_uploads_where("reports/", |key| {
+                key.rsplit('/')
+                    .next()
+                    .is_some_and(|file| file.starts_with(&file_prefix))
+            })
+            .await?;
+        tracing::info!(
+            partition,
+            streams = watermarks.len(),
+            orphaned_uploads_aborted = aborted,
+            "partition taken"
+        );
+        self.partitions.insert(
+            partition,
+            PartitionState::from_watermarks(partition, watermarks),
+        );
+        Ok(())
+    }
+
+    async fn process(
+        &mut self,
+        message: &InMessage,
+        outbox: &mut Outbox,
+    ) -> Result<(), WorkerError> {
+        let Some(state) = self.partitions.get_mut(&message.partition) else {
+            // Cannot happen: arrays hold only assigned partitions' messages.
+            tracing::warn!(
+                partition = message.partition,
+                "message of a partition not held; skipped"
+            );
+            return Ok(());
+        };
+        let result = process_message(&self.context, state, message, outbox).await;
+        state.mark_read(message.offset);
+        result
+    }
+
+    /// Age rollover (on a timer: every array, even an empty one) and the
+    /// memory budget for all open documents together.
+    fn decide_timed_rollovers(&mut self, outbox: &mut Outbox) {
+        let settings = &self.context.settings;
+        let max_age = Duration::from_millis(settings.rollover_age_ms);
+        let mut buffered: Vec<(u64, i32, StreamName)> = Vec::new();
+        for state in self.partitions.values_mut() {
+            for document in state.open.values_mut() {
+                if document.opened_at.elapsed() >= max_age {
+                    request_cut(&self.context.topics, document, Trigger::Age, outbox);
+                }
+                if document.cut_requested.is_none() {
+                    buffered.push((
+                        document.buffered_bytes(),
+                        document.partition,
+                        document.stream.clone(),
+                    ));
+                }
+            }
+        }
+        let mut total: u64 = self
+            .partitions
+            .values()
+            .flat_map(|state| state.open.values())
+            .map(|document| document.buffered_bytes())
+            .sum();
+        if total <= settings.memory_budget_bytes {
+            return;
+        }
+        // Cut the largest documents until the rest fits in half the budget,
+        // so the worker does not cut again at the next array.
+        buffered.sort_by(|a, b| b.0.cmp(&a.0));
+        for (bytes, partition, stream) in buffered {
+            if total <= settings.memory_budget_bytes / 2 {
+                break;
+            }
+            if let Some(document) = self
+                .partitions
+                .get_mut(&partition)
+                .and_then(|state| state.open.get_mut(&stream))
+            {
+                tracing::info!(partition, %stream, bytes, "memory budget reached: cutting");
+                request_cut(&self.context.topics, document, Trigger::Memory, outbox);
+                total = total.saturating_sub(bytes);
+            }
+        }
+    }
+
+    fn cut_everything_open(&mut self, outbox: &mut Outbox) {
+        for state in self.partitions.values_mut() {
+            for document in state.open.values_mut() {
+                request_cut(&self.context.topics, document, Trigger::Drain, outbox);
+            }
+        }
+    }
+
+    /// ONE transaction: events, dead letters, markers, watermarks and the
+    /// offsets (never past an open document), with the group metadata.
+    async fn commit(&mut self, array: &Array, mut outbox: Outbox) -> Result<(), WorkerError> {
+        let mut offsets = BTreeMap::new();
+        for (&partition, state) in &mut self.partitions {
+            let Some(safe) = state.safe_offset() else {
+                continue;
+            };
+            if state.committed != Some(safe) {
+                offsets.insert(partition, safe);
+            }
+            for (stream, watermark) in state.watermarks_to_write(safe) {
+                outbox.messages.push(
+                    OutMessage::new(
+                        &self.context.topics.watermarks,
+                        Some(stream.as_str().as_bytes().to_vec()),
+                        quire_messages::encode(&watermark),
+                    )
+                    .to_partition(partition),
+                );
+            }
+        }
+        if offsets.is_empty() && outbox.messages.is_empty() {
+            return Ok(());
+        }
+        if outbox.reports > 0 && crash_before_commit_requested() {
+            // The end-to-end tests' failpoint: a crash after objects were
+            // completed in S3 and before the transaction that announces them.
+            tracing::error!("failpoint crash-before-commit: aborting the process");
+            std::process::abort();
+        }
+        let outcome = self
+            .consumer
+            .commit_in_transaction(array, Some(offsets), &self.producer, outbox.messages)
+            .await?;
+        for (partition, offset) in &outcome.commit.committed {
+            if let Some(state) = self.partitions.get_mut(partition) {
+                state.committed = Some(*offset);
+            }
+        }
+        if !outcome.commit.dropped.is_empty() {
+            tracing::warn!(partitions = ?outcome.commit.dropped, "partitions revoked before the commit were left out");
+        }
+        tracing::debug!(
+            records = outbox.records,
+            reports = outbox.reports,
+            offsets = ?outcome.commit.committed,
+            "array committed"
+        );
+        Ok(())
+    }
+
+    async fn abort_open_documents(&mut self) {
+        for (_, state) in std::mem::take(&mut self.partitions) {
+            for (_, document) in state.open {
+                document.abort().await;
+            }
+        }
+    }
+}
+
+/// One message of `quire.records`: a record, a cut marker or a definition.
+async fn process_message(
+    context: &Context,
+    state: &mut PartitionState,
+    message: &InMessage,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    let kind = message
+        .header(HEADER_KIND)
+        .and_then(MessageKind::from_header);
+    let stream = message
+        .key
+        .as_deref()
+        .and_then(|key| std::str::from_utf8(key).ok())
+        .map(StreamName::new);
+    let stream = match (kind, stream) {
+        (None, _) => {
+            return dead_letter(
+                context,
+                message,
+                "missing or unknown quire-kind header",
+                outbox,
+            );
+        }
+        (Some(_), None) => {
+            return dead_letter(
+                context,
+                message,
+                "message has no UTF-8 key (stream name)",
+                outbox,
+            );
+        }
+        (Some(_), Some(Err(error))) => {
+            return dead_letter(
+                context,
+                message,
+                &format!("invalid stream name: {error}"),
+                outbox,
+            );
+        }
+        (Some(_), Some(Ok(stream))) => stream,
+    };
+    let payload = message.payload.as_deref().unwrap_or_default();
+    match kind.expect("checked above") {
+        MessageKind::Definition => {
+            match quire_messages::decode::<Definition>("definition", payload)
+                .map_err(|error| error.to_string())
+                .and_then(|definition| {
+                    definition
+                        .validate()
+                        .map(|()| definition)
+                        .map_err(|error| error.to_string())
+                }) {
+                // Definitions apply even below the watermark: they shape the
+                // documents that open after it.
+                Ok(definition) => state.change_definition(&stream, message.offset, definition),
+                Err(reason) => {
+                    return dead_letter(
+                        context,
+                        message,
+                        &format!("invalid definition: {reason}"),
+                        outbox,
+                    );
+                }
+            }
+        }
+        MessageKind::Record => {
+            if state.already_reported(&stream, message.offset) {
+                return Ok(());
+            }
+            let record: serde_json::Value = match serde_json::from_slice(payload) {
+                Ok(record) => record,
+                Err(error) => {
+                    return dead_letter(
+                        context,
+                        message,
+                        &format!("record is not JSON: {error}"),
+                        outbox,
+                    );
+                }
+            };
+            if !state.open.contains_key(&stream) {
+                let definition = state.stream(&stream).definition.clone();
+                let document = OpenDocument::open(
+                    &context.bucket,
+                    &context.policy,
+                    &stream,
+                    state.partition,
+                    message.offset,
+                    &definition,
+                )
+                .await?;
+                state.open.insert(stream.clone(), document);
+            }
+            let document = state.open.get_mut(&stream).expect("opened above");
+            if let Err(error) = document.append(&record, message.timestamp_ms).await? {
+                return dead_letter(
+                    context,
+                    message,
+                    &format!("record cannot be rendered: {error}"),
+                    outbox,
+                );
+            }
+            outbox.records += 1;
+            if document.records >= context.settings.rollover_records {
+                request_cut(&context.topics, document, Trigger::Records, outbox);
+            } else if document.bytes() >= context.settings.rollover_bytes {
+                request_cut(&context.topics, document, Trigger::Bytes, outbox);
+            }
+        }
+        MessageKind::Cut => {
+            if state.already_reported(&stream, message.offset) {
+                return Ok(());
+            }
+            let marker = match quire_messages::decode::<CutMarker>("cut marker", payload) {
+                Ok(marker) => marker,
+                Err(error) => {
+                    return dead_letter(
+                        context,
+                        message,
+                        &format!("invalid cut marker: {error}"),
+                        outbox,
+                    );
+                }
+            };
+            let open_first_offset = state
+                .open
+                .get(&stream)
+                .map(|document| document.first_offset);
+            if let Some(named) = marker.document
+                && open_first_offset != Some(named)
+            {
+                // A rollover marker for a document that was already cut (by
+                // another marker, or another owner's same decision).
+                tracing::debug!(%stream, offset = message.offset, named, "stale rollover marker ignored");
+                return Ok(());
+            }
+            let document = match state.open.remove(&stream) {
+                Some(document) => document,
+                // A cut with nothing new: an empty report, keyed by the marker.
+                None => {
+                    let definition = state.stream(&stream).definition.clone();
+                    OpenDocument::open(
+                        &context.bucket,
+                        &context.policy,
+                        &stream,
+                        state.partition,
+                        message.offset,
+                        &definition,
+                    )
+                    .await?
+                }
+            };
+            let report_id = ReportId {
+                stream: stream.clone(),
+                partition: state.partition,
+                offset: message.offset,
+            };
+            let manifest = document
+                .complete(
+                    &context.bucket,
+                    &report_id,
+                    message.timestamp_ms,
+                    marker.trigger,
+                )
+                .await?;
+            tracing::info!(report = %report_id, records = manifest.records, bytes = manifest.bytes, trigger = ?marker.trigger, "report completed");
+            let event = ReportEvent {
+                v: CURRENT_VERSION,
+                kind: ReportEventKind::Completed,
+                report_id,
+                stream: stream.clone(),
+                key: manifest.key,
+                partition: manifest.partition,
+                first_offset: manifest.first_offset,
+                last_offset: manifest.last_offset,
+                records: manifest.records,
+                bytes: manifest.bytes,
+                sha256: manifest.sha256,
+                trigger: manifest.trigger,
+                reason: None,
+            };
+            outbox.messages.push(OutMessage::new(
+                &context.topics.report_events,
+                Some(stream.as_str().as_bytes().to_vec()),
+                quire_messages::encode(&event),
+            ));
+            outbox.reports += 1;
+            state.report_completed(&stream, message.offset);
+        }
+    }
+    Ok(())
+}
+
+/// `QUIRE_WORKER_FAILPOINT=crash-before-commit`: for the crash tests only.
+fn crash_before_commit_requested() -> bool {
+    std::env::var("QUIRE_WORKER_FAILPOINT").is_ok_and(|value| value == "crash-before-commit")
+}
+
+/// Publishes, in this array's transaction, a marker that cuts `document`
+/// where it lands (once per document).
+fn request_cut(
+    topics: &TopicNames,
+    document: &mut OpenDocument,
+    trigger: Trigger,
+    outbox: &mut Outbox,
+) {
+    if document.cut_requested.is_some() {
+        return;
+    }
+    document.cut_requested = Some(trigger);
+    outbox.messages.push(
+        OutMessage::new(
+            &topics.records,
+            Some(document.stream.as_str().as_bytes().to_vec()),
+            quire_messages::encode(&CutMarker::rollover(trigger, document.first_offset)),
+        )
+        .with_header(HEADER_KIND, MessageKind::Cut.as_header())
+        .to_partition(document.partition),
+    );
+}
+
+fn dead_letter(
+    context: &Context,
+    message: &InMessage,
+    reason: &str,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    tracing::warn!(
+        partition = message.partition,
+        offset = message.offset,
+        reason,
+        "record sent to the dead-letter topic"
+    );
+    let stream = message
+        .key
+        .as_deref()
+        .map(|key| String::from_utf8_lossy(key).into_owned())
+        .unwrap_or_default();
+    let letter = DeadLetter {
+        v: CURRENT_VERSION,
+        stream,
+        partition: message.partition,
+        offset: message.offset,
+        reason: reason.to_owned(),
+        payload: String::from_utf8_lossy(message.payload.as_deref().unwrap_or_default())
+            .into_owned(),
+    };
+    outbox.messages.push(OutMessage::new(
+        &context.topics.dead_letters,
+        Some(DeadLetter::key(message.partition, message.offset).into_bytes()),
+        quire_messages::encode(&letter),
+    ));
+    outbox.dead_letters += 1;
+    Ok(())
+}
