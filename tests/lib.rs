@@ -44,17 +44,23 @@ impl TestTopic {
     }
 
     pub async fn create_with(prefix: &str, partitions: i32, config: &[(&str, &str)]) -> TestTopic {
-        let settings = kafka_settings();
-        let name = unique(&format!("test.{prefix}"));
-        let spec = TopicSpec {
-            name: name.clone(),
+        Self::adopt(TopicSpec {
+            name: unique(&format!("test.{prefix}")),
             partitions,
             replication: 1,
             config: config
                 .iter()
                 .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
                 .collect(),
-        };
+        })
+        .await
+    }
+
+    /// Creates the topic `spec` describes (its name made unique by the caller).
+    pub async fn adopt(spec: TopicSpec) -> TestTopic {
+        let settings = kafka_settings();
+        let name = spec.name.clone();
+        let partitions = spec.partitions;
         quire_queue::ensure_topics(&settings, &[spec])
             .await
             .unwrap_or_else(|error| {
@@ -250,3 +256,5 @@ pub async fn delete_records_before(
         element.error().expect("delete records of a partition");
     }
 }
+pub mod pipeline;
+pub mod s3;

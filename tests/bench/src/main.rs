@@ -1,1 +1,46 @@
-fn main() {}
+//! quire's benchmarks. Each subcommand measures a claim against its baseline
+//! in the same run, prints a table, and ends with one machine-readable line.
+//!
+//! Run against the local stack: `eval "$(deploy/local/stack env)"`, then
+//! `cargo run --release -p quire-bench -- <queue|writer>`.
+
+mod child;
+mod queue;
+mod writer;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "quire benchmarks: ratios against baselines measured in the same run")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The seed's array enqueue/dequeue table, on Kafka.
+    Queue(queue::QueueArgs),
+    /// The seed's buffered-append table, on S3 multipart uploads.
+    Writer(writer::WriterArgs),
+    /// One scenario in a child process of its own (used by the others, so
+    /// each peak resident memory is that scenario's alone).
+    #[command(hide = true)]
+    Scenario {
+        name: String,
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Command::Queue(args) => runtime.block_on(queue::run(args)),
+        Command::Writer(args) => runtime.block_on(writer::run(args)),
+        Command::Scenario { name, args } => runtime.block_on(child::run_scenario(&name, &args)),
+    }
+}
