@@ -131,10 +131,11 @@ pub fn is_xml_name(name: &str) -> bool {
     let Some(first) = characters.next() else {
         return false;
     };
-    is_name_start(first) && characters.all(is_name_char)
+    is_xml_name_start_char(first) && characters.all(is_xml_name_char)
 }
 
-fn is_name_start(character: char) -> bool {
+/// XML 1.0 (5th edition) NameStartChar, without `:`.
+pub fn is_xml_name_start_char(character: char) -> bool {
     matches!(character,
         'A'..='Z' | '_' | 'a'..='z'
         | '\u{C0}'..='\u{D6}' | '\u{D8}'..='\u{F6}' | '\u{F8}'..='\u{2FF}'
@@ -143,8 +144,9 @@ fn is_name_start(character: char) -> bool {
         | '\u{F900}'..='\u{FDCF}' | '\u{FDF0}'..='\u{FFFD}' | '\u{10000}'..='\u{EFFFF}')
 }
 
-fn is_name_char(character: char) -> bool {
-    is_name_start(character)
+/// XML 1.0 (5th edition) NameChar, without `:`.
+pub fn is_xml_name_char(character: char) -> bool {
+    is_xml_name_start_char(character)
         || matches!(character, '-' | '.' | '0'..='9' | '\u{B7}' | '\u{300}'..='\u{36F}' | '\u{203F}'..='\u{2040}')
 }
 

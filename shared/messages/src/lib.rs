@@ -21,7 +21,10 @@ mod report;
 
 use serde::{Deserialize, Serialize};
 
-pub use definition::{Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name};
+pub use definition::{
+    Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
+    is_xml_name_start_char,
+};
 pub use names::{ReportId, StreamName, StreamNameError, report_key};
 pub use report::{DeadLetter, Manifest, ReportEvent, ReportEventKind, Trigger, Watermark};
 

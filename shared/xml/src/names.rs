@@ -197,21 +197,10 @@ fn underscore_would_read_as_escape(after_underscore: &str) -> bool {
     })
 }
 
-/// XML 1.0 (5th edition) NameStartChar, without `:`.
-pub(crate) fn is_name_start_character(character: char) -> bool {
-    matches!(character,
-        'A'..='Z' | '_' | 'a'..='z'
-        | '\u{C0}'..='\u{D6}' | '\u{D8}'..='\u{F6}' | '\u{F8}'..='\u{2FF}'
-        | '\u{370}'..='\u{37D}' | '\u{37F}'..='\u{1FFF}' | '\u{200C}'..='\u{200D}'
-        | '\u{2070}'..='\u{218F}' | '\u{2C00}'..='\u{2FEF}' | '\u{3001}'..='\u{D7FF}'
-        | '\u{F900}'..='\u{FDCF}' | '\u{FDF0}'..='\u{FFFD}' | '\u{10000}'..='\u{EFFFF}')
-}
-
-/// XML 1.0 (5th edition) NameChar, without `:`.
-pub(crate) fn is_name_character(character: char) -> bool {
-    is_name_start_character(character)
-        || matches!(character, '-' | '.' | '0'..='9' | '\u{B7}' | '\u{300}'..='\u{36F}' | '\u{203F}'..='\u{2040}')
-}
+// The XML name grammar lives with the definitions, which validate names too.
+pub(crate) use quire_messages::{
+    is_xml_name_char as is_name_character, is_xml_name_start_char as is_name_start_character,
+};
 
 #[cfg(test)]
 mod tests {
