@@ -47,6 +47,7 @@ pub struct TestBucket {
     pub name: String,
     pub client: Client,
     pub settings: S3Settings,
+    deleted: bool,
 }
 
 impl TestBucket {
@@ -70,7 +71,17 @@ impl TestBucket {
             name,
             client,
             settings,
+            deleted: false,
         }
+    }
+
+    /// Deletes the bucket now, with its objects and pending uploads, and says
+    /// why it could not: a server refuses to delete a bucket that still holds
+    /// anything, even a stray part no listing shows, so this checks that a
+    /// test left nothing behind.
+    pub async fn delete(mut self) -> Result<(), String> {
+        self.deleted = true;
+        delete_bucket_and_contents(self.client.clone(), self.name.clone()).await
     }
 
     /// A handle on this bucket for writers and sweeps, with fresh counters.
@@ -191,6 +202,9 @@ impl TestBucket {
 
 impl Drop for TestBucket {
     fn drop(&mut self) {
+        if self.deleted {
+            return;
+        }
         let client = self.client.clone();
         let name = self.name.clone();
         // Drop cannot await; a short-lived runtime on its own thread can.

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use aws_runtime::auth::PayloadSigningOverride;
@@ -17,6 +17,7 @@ use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use backon::Retryable;
 use bytes::Bytes;
+use tokio::sync::Notify;
 
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
@@ -35,6 +36,8 @@ pub(crate) struct UploadTarget {
     pub counters: Arc<WriterCounters>,
     /// Whether SigV4 signs the bodies of parts and single puts.
     sign_payload: bool,
+    /// Set when the upload is being aborted: no new attempt starts.
+    pub abandoned: Arc<StopSignal>,
     /// Timeouts of one attempt: the policy's attempt timeout over the
     /// client's own (connect timeout...).
     timeouts: TimeoutConfig,
@@ -63,6 +66,7 @@ impl UploadTarget {
             retry,
             counters,
             sign_payload,
+            abandoned: Arc::default(),
             timeouts,
         }
     }
@@ -90,7 +94,7 @@ impl UploadTarget {
 
     /// Starts a multipart upload and returns its id.
     pub async fn create_multipart_upload(self: Arc<Self>) -> Result<String, WriterError> {
-        let call = CallLabel::new("CreateMultipartUpload", &self.key);
+        let call = CallLabel::new("CreateMultipartUpload", &self.key).stopped_by(&self.abandoned);
         let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
             self.client
                 .create_multipart_upload()
@@ -130,7 +134,9 @@ impl UploadTarget {
         part: &Bytes,
         payload_sha256: Option<String>,
     ) -> Result<CompletedPart, WriterError> {
-        let call = CallLabel::new("UploadPart", &self.key).part(part_number, part.len());
+        let call = CallLabel::new("UploadPart", &self.key)
+            .part(part_number, part.len())
+            .stopped_by(&self.abandoned);
         let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
             let request = self
                 .client
@@ -167,7 +173,9 @@ impl UploadTarget {
         document: &Bytes,
         payload_sha256: Option<String>,
     ) -> Result<Option<String>, WriterError> {
-        let call = CallLabel::new("PutObject", &self.key).part(1, document.len());
+        let call = CallLabel::new("PutObject", &self.key)
+            .part(1, document.len())
+            .stopped_by(&self.abandoned);
         let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
             let request = self
                 .client
@@ -320,6 +328,9 @@ pub(crate) struct CallLabel<'a> {
     pub key: &'a str,
     pub part_number: Option<i32>,
     pub bytes: Option<usize>,
+    /// Once this is stopped, no further attempt of the call starts and a
+    /// backoff wait ends early.
+    pub stop: Option<Arc<StopSignal>>,
 }
 
 impl<'a> CallLabel<'a> {
@@ -329,6 +340,7 @@ impl<'a> CallLabel<'a> {
             key,
             part_number: None,
             bytes: None,
+            stop: None,
         }
     }
 
@@ -336,6 +348,49 @@ impl<'a> CallLabel<'a> {
         self.part_number = Some(part_number);
         self.bytes = Some(bytes);
         self
+    }
+
+    fn stopped_by(mut self, stop: &Arc<StopSignal>) -> Self {
+        self.stop = Some(stop.clone());
+        self
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stop.as_deref().is_some_and(StopSignal::is_stopped)
+    }
+}
+
+/// A one-way switch that tells the calls of an upload being aborted to start
+/// no new attempt, and wakes those waiting between attempts.
+#[derive(Debug, Default)]
+pub(crate) struct StopSignal {
+    stopped: AtomicBool,
+    wake: Notify,
+}
+
+impl StopSignal {
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.wake.notify_waiters();
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// Waits `delay`, or less if the signal stops meanwhile.
+    async fn sleep(&self, delay: Duration) {
+        let woken = self.wake.notified();
+        tokio::pin!(woken);
+        // Registered before the check, so a stop in between still wakes us.
+        woken.as_mut().enable();
+        if self.is_stopped() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = woken => {}
+        }
     }
 }
 
@@ -363,11 +418,20 @@ where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {
     let attempts_made = AtomicU32::new(0);
+    // The backoff's sleeper must own what it uses.
+    let stop = call.stop.clone();
     let result = (|| {
         let attempt = attempts_made.fetch_add(1, Ordering::Relaxed) + 1;
         let started = Instant::now();
         let pending = attempt_once(attempt);
+        let stopped = call.is_stopped();
         async move {
+            if stopped {
+                // Dropped unpolled: nothing was sent.
+                return Err(SdkError::construction_failure(
+                    "the upload is being aborted: no new attempt starts",
+                ));
+            }
             let outcome = pending.await;
             let duration_ms = started.elapsed().as_secs_f64() * 1000.0;
             match &outcome {
@@ -397,7 +461,15 @@ where
         }
     })
     .retry(retry.backoff())
-    .sleep(tokio::time::sleep)
+    .sleep(move |delay| {
+        let stop = stop.clone();
+        async move {
+            match stop {
+                Some(stop) => stop.sleep(delay).await,
+                None => tokio::time::sleep(delay).await,
+            }
+        }
+    })
     .when(is_retryable)
     .notify(|_error, delay| {
         counters.retried();

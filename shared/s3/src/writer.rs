@@ -19,6 +19,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use aws_sdk_s3::types::CompletedPart;
 use bytes::{Bytes, BytesMut};
@@ -583,17 +584,39 @@ fn record_ended_part(
     }
 }
 
-/// Stops the parts in flight (so none lands after the abort), learns the
+/// How long an abort lets the part attempts under way end before it cuts
+/// them off.
+const ABORT_GRACE_PERIOD: Duration = Duration::from_secs(10);
+
+/// Lets the part attempts under way end (no new attempt starts), learns the
 /// upload id if the creation was still running, and aborts the upload.
+///
+/// Why not cut the parts off at once: a server may still store a part whose
+/// request the client dropped (it had the whole body already), after the
+/// abort, where no listing shows it and nothing deletes it. An attempt that
+/// ended with an answer cannot land later.
 async fn abort_upload(
     target: Arc<UploadTarget>,
     creation: Option<JoinHandle<Result<String, WriterError>>>,
     upload: Option<OpenUpload>,
     reason: &str,
 ) -> Result<(), WriterError> {
+    target.abandoned.stop();
     let upload_id: Arc<str> = match (upload, creation) {
         (Some(mut upload), _) => {
-            upload.in_flight.shutdown().await;
+            let parts_ended = tokio::time::timeout(ABORT_GRACE_PERIOD, async {
+                while upload.in_flight.join_next().await.is_some() {}
+            })
+            .await;
+            if parts_ended.is_err() {
+                tracing::warn!(
+                    bucket = %target.bucket,
+                    key = %target.key,
+                    grace_period_s = ABORT_GRACE_PERIOD.as_secs(),
+                    "parts still uploading after the grace period are cut off: one may outlive the abort"
+                );
+                upload.in_flight.shutdown().await;
+            }
             upload.upload_id
         }
         (None, Some(creation)) => match creation.await {
