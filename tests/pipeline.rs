@@ -236,8 +236,8 @@ impl Report {
         let summary = document
             .root_element()
             .children()
-            .filter(|node| node.is_element())
-            .last()
+            .rev()
+            .find(|node| node.is_element())
             .expect("a summary element");
         summary
             .attribute("records")

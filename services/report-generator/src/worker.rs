@@ -172,11 +172,7 @@ impl Worker {
     async fn handle_rebalances(&mut self, events: &[RebalanceEvent]) -> Result<(), WorkerError> {
         for event in events {
             match event {
-                RebalanceEvent::Assigned(partitions) => {
-                    for &partition in partitions {
-                        self.take_partition(partition).await?;
-                    }
-                }
+                RebalanceEvent::Assigned(partitions) => self.take_partitions(partitions).await?,
                 RebalanceEvent::Revoked { partitions, lost } => {
                     for partition in partitions {
                         if let Some(state) = self.partitions.remove(partition) {
@@ -197,34 +193,41 @@ impl Worker {
         Ok(())
     }
 
-    /// A new owner: load the partition's watermarks (after any open
-    /// transaction there ended), then abort the uploads a dead owner left.
-    async fn take_partition(&mut self, partition: i32) -> Result<(), WorkerError> {
+    /// A new owner: load the partitions' watermarks (after any open
+    /// transaction there ended), then abort the uploads a dead owner left on
+    /// their keys. All the partitions of one assignment together.
+    async fn take_partitions(&mut self, partitions: &[i32]) -> Result<(), WorkerError> {
+        if partitions.is_empty() {
+            return Ok(());
+        }
         let kafka = self.kafka.clone();
         let topic = self.context.topics.watermarks.clone();
-        let watermarks =
-            tokio::task::spawn_blocking(move || crate::watermarks::load(&kafka, &topic, partition))
+        let wanted = partitions.to_vec();
+        let mut watermarks =
+            tokio::task::spawn_blocking(move || crate::watermarks::load(&kafka, &topic, &wanted))
                 .await??;
-        let file_prefix = format!("{partition:05}-");
+        let file_prefixes: Vec<String> = partitions
+            .iter()
+            .map(|partition| format!("{partition:05}-"))
+            .collect();
         let aborted = self
             .context
             .bucket
             .abort_pending_uploads_where("reports/", |key| {
                 key.rsplit('/')
                     .next()
-                    .is_some_and(|file| file.starts_with(&file_prefix))
+                    .is_some_and(|file| file_prefixes.iter().any(|prefix| file.starts_with(prefix)))
             })
             .await?;
-        tracing::info!(
-            partition,
-            streams = watermarks.len(),
-            orphaned_uploads_aborted = aborted,
-            "partition taken"
-        );
-        self.partitions.insert(
-            partition,
-            PartitionState::from_watermarks(partition, watermarks),
-        );
+        for &partition in partitions {
+            let loaded = watermarks.remove(&partition).unwrap_or_default();
+            tracing::debug!(partition, streams = loaded.len(), "partition taken");
+            self.partitions.insert(
+                partition,
+                PartitionState::from_watermarks(partition, loaded),
+            );
+        }
+        tracing::info!(partitions = ?partitions, orphaned_uploads_aborted = aborted, "assignment taken");
         Ok(())
     }
 
@@ -277,7 +280,7 @@ impl Worker {
         }
         // Cut the largest documents until the rest fits in half the budget,
         // so the worker does not cut again at the next array.
-        buffered.sort_by(|a, b| b.0.cmp(&a.0));
+        buffered.sort_by_key(|(bytes, _, _)| std::cmp::Reverse(*bytes));
         for (bytes, partition, stream) in buffered {
             if total <= settings.memory_budget_bytes / 2 {
                 break;
