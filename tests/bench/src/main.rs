@@ -2,9 +2,10 @@
 //! in the same run, prints a table, and ends with one machine-readable line.
 //!
 //! Run against the local stack: `eval "$(deploy/local/stack env)"`, then
-//! `cargo run --release -p quire-bench -- <queue|writer>`.
+//! `cargo run --release -p quire-bench -- <queue|writer|pipeline>`.
 
 mod child;
+mod pipeline;
 mod queue;
 mod writer;
 
@@ -23,6 +24,8 @@ enum Command {
     Queue(queue::QueueArgs),
     /// The seed's buffered-append table, on S3 multipart uploads.
     Writer(writer::WriterArgs),
+    /// Records through HTTP into completed XML reports in S3, against plain librdkafka.
+    Pipeline(pipeline::PipelineArgs),
     /// One scenario in a child process of its own (used by the others, so
     /// each peak resident memory is that scenario's alone).
     #[command(hide = true)]
@@ -41,6 +44,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Queue(args) => runtime.block_on(queue::run(args)),
         Command::Writer(args) => runtime.block_on(writer::run(args)),
+        Command::Pipeline(args) => runtime.block_on(pipeline::run(args)),
         Command::Scenario { name, args } => runtime.block_on(child::run_scenario(&name, &args)),
     }
 }

@@ -174,7 +174,7 @@ pub async fn run(args: QueueArgs) -> anyhow::Result<()> {
 }
 
 /// The durability the array path has, without transactions: the ceiling.
-fn ceiling_config() -> ClientConfig {
+pub(crate) fn ceiling_config() -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", &kafka_settings().bootstrap_servers)

@@ -1,0 +1,724 @@
+//! The pipeline, measured: records of about 100 bytes through HTTP into
+//! completed XML reports in S3, with one producer API and one report
+//! generator (the real release binaries) on this machine, against plain
+//! librdkafka produce and consume of the same records as the ceilings.
+//!
+//! Scenarios, in one run:
+//! 1. ingest alone: every record over HTTP, no worker running;
+//! 2. worker alone: every stream cut, then one `report-generator --drain` on
+//!    what ingest queued, until it exits 0 (render, upload, commit);
+//! 3. end to end: on fresh topics and bucket, a serving worker first, then
+//!    the records as in (1), every stream cut, until every record is in a
+//!    completed report;
+//! 4. the ceilings: plain idempotent produce (acks=all, no transactions) and
+//!    a plain consume of the same record bytes, on 12 partitions.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail, ensure};
+use bytes::Bytes;
+use quire_tests::pipeline::TestStack;
+use quire_tests::{TestTopic, kafka_settings, unique};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::{Offset, TopicPartitionList};
+
+#[derive(clap::Args, Clone)]
+pub struct PipelineArgs {
+    /// Records per scenario.
+    #[arg(long, default_value_t = 200_000)]
+    records: usize,
+    /// Approximate size of one record's JSON object, in bytes.
+    #[arg(long, default_value_t = 100)]
+    record_bytes: usize,
+    /// Streams the records are spread over.
+    #[arg(long, default_value_t = 8)]
+    streams: usize,
+    /// Concurrent HTTP client tasks (connections) sending records.
+    #[arg(long, default_value_t = 12)]
+    connections: usize,
+    /// Records per request (one JSON array).
+    #[arg(long, default_value_t = 500)]
+    array: usize,
+    /// Partitions of the ceiling topic (the records topic has 12).
+    #[arg(long, default_value_t = 12)]
+    ceiling_partitions: i32,
+    /// Upper bound of each scenario, in seconds: past it the benchmark fails
+    /// rather than hang.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+struct Row {
+    name: &'static str,
+    records: usize,
+    seconds: f64,
+}
+
+impl Row {
+    fn rate(&self) -> f64 {
+        self.records as f64 / self.seconds
+    }
+}
+
+/// One request: its stream and its body (a JSON array), serialized up front
+/// so the client's own work while timing is only HTTP.
+struct Request {
+    stream: String,
+    body: Bytes,
+}
+
+/// The records to send: `requests` and, for the ceilings, every record's
+/// (key, bytes) in the same order.
+struct Workload {
+    streams: Vec<String>,
+    requests: Vec<Request>,
+    messages: Vec<(String, Vec<u8>)>,
+}
+
+fn stream_name(index: usize) -> String {
+    format!("bench-{index}")
+}
+
+/// One record: `{"stream":"bench-3","seq":123,"payload":"xxx..."}`, padded to
+/// about `size` bytes.
+fn record(stream: &str, seq: u64, size: usize) -> Vec<u8> {
+    let bare = format!(r#"{{"stream":"{stream}","seq":{seq},"payload":""}}"#);
+    let padding = size.saturating_sub(bare.len()).max(1);
+    format!(
+        r#"{{"stream":"{stream}","seq":{seq},"payload":"{}"}}"#,
+        "x".repeat(padding)
+    )
+    .into_bytes()
+}
+
+impl Workload {
+    /// Request `i` goes to stream `i % streams`; each stream's `seq` counts
+    /// from 0 in the order its requests are built.
+    fn build(args: &PipelineArgs) -> Workload {
+        let streams: Vec<String> = (0..args.streams).map(stream_name).collect();
+        let mut next_seq = vec![0_u64; streams.len()];
+        let mut requests = Vec::new();
+        let mut messages = Vec::with_capacity(args.records);
+        let mut sent = 0;
+        while sent < args.records {
+            let count = args.array.min(args.records - sent);
+            let index = requests.len() % streams.len();
+            let stream = &streams[index];
+            let mut body = Vec::with_capacity(count * (args.record_bytes + 1) + 2);
+            body.push(b'[');
+            for position in 0..count {
+                let bytes = record(stream, next_seq[index], args.record_bytes);
+                next_seq[index] += 1;
+                if position > 0 {
+                    body.push(b',');
+                }
+                body.extend_from_slice(&bytes);
+                messages.push((stream.clone(), bytes));
+            }
+            body.push(b']');
+            requests.push(Request {
+                stream: stream.clone(),
+                body: Bytes::from(body),
+            });
+            sent += count;
+        }
+        Workload {
+            streams,
+            requests,
+            messages,
+        }
+    }
+}
+
+pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
+    ensure!(
+        args.records > 1 && args.streams > 0 && args.connections > 0 && args.array > 0,
+        "--records must be above 1, --streams, --connections and --array above 0"
+    );
+    let limit = Duration::from_secs(args.timeout_secs);
+    let binaries = ServiceBinaries::locate()?;
+    let workload = Arc::new(Workload::build(&args));
+    eprintln!(
+        "pipeline benchmark: {} records of ~{} bytes ({} bytes each as sent), {} streams, \
+         {} connections, arrays of {} ({} requests)",
+        args.records,
+        args.record_bytes,
+        workload.messages[0].1.len(),
+        args.streams,
+        args.connections,
+        args.array,
+        workload.requests.len()
+    );
+    let mut rows = Vec::new();
+
+    // The ceilings first, on a topic of their own.
+    {
+        let topic = TestTopic::create("bench-pipeline-ceiling", args.ceiling_partitions).await;
+        let name = topic.name.clone();
+        let produced = Arc::clone(&workload);
+        let seconds =
+            tokio::task::spawn_blocking(move || ceiling_produce(&name, &produced.messages, limit))
+                .await??;
+        rows.push(Row {
+            name: "ceiling produce (plain librdkafka, idempotent, acks=all)",
+            records: args.records,
+            seconds,
+        });
+        eprintln!("  ceiling produce: {seconds:.3} s");
+        let name = topic.name.clone();
+        let (partitions, records) = (args.ceiling_partitions, args.records);
+        let (read, seconds) =
+            tokio::task::spawn_blocking(move || ceiling_consume(&name, partitions, records, limit))
+                .await??;
+        rows.push(Row {
+            name: "ceiling consume (plain librdkafka)",
+            records: read,
+            seconds,
+        });
+        eprintln!("  ceiling consume: {seconds:.3} s");
+    }
+
+    // 1 and 2: ingest alone, then the worker alone on what ingest queued.
+    {
+        let stack = TestStack::create("bench-pipeline").await;
+        let api = binaries.start_api(&stack, limit).await?;
+        let seconds = ingest(&api.client, &workload, args.connections, limit).await?;
+        rows.push(Row {
+            name: "ingest alone (HTTP -> API -> Kafka, no worker)",
+            records: args.records,
+            seconds,
+        });
+        eprintln!("  ingest alone: {seconds:.3} s");
+        for stream in &workload.streams {
+            api.client.cut(stream).await?;
+        }
+        let mut worker = binaries.spawn_worker(&stack, "bench-drain", true)?;
+        let started = Instant::now();
+        let code = worker.wait(limit).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        ensure!(
+            code == Some(0),
+            "report-generator --drain exited with {code:?}, not 0"
+        );
+        let mut manifests = Manifests::default();
+        let reported = manifests.refresh(&stack).await?;
+        ensure!(
+            reported == args.records as u64,
+            "worker alone: the reports hold {reported} records, {} were sent ({} manifests)",
+            args.records,
+            manifests.read.len()
+        );
+        manifests.check_streams(&workload.streams)?;
+        rows.push(Row {
+            name: "worker alone (--drain: render, upload, commit)",
+            records: args.records,
+            seconds,
+        });
+        eprintln!(
+            "  worker alone: {seconds:.3} s, {} reports",
+            manifests.read.len()
+        );
+    }
+
+    // 3: end to end on a fresh stack, a worker already serving.
+    {
+        let stack = TestStack::create("bench-pipeline-e2e").await;
+        let api = binaries.start_api(&stack, limit).await?;
+        let spawned = Instant::now();
+        let mut worker = binaries.spawn_worker(&stack, "bench-serve", false)?;
+        wait_for_member(&stack.group, &mut worker, limit).await?;
+        // A serving worker has its partitions in hand: one record of a
+        // stream of its own, cut, and its report completed, prove it (the
+        // start-up and the take-over are not part of the end to end time).
+        let mut manifests = Manifests::default();
+        let warm_up = "bench-warm-up".to_owned();
+        api.client
+            .send(
+                &warm_up,
+                Bytes::from(format!(
+                    "[{}]",
+                    String::from_utf8(record(&warm_up, 0, 100))?
+                )),
+            )
+            .await?;
+        api.client.cut(&warm_up).await?;
+        while manifests.refresh(&stack).await? < 1 {
+            if let Some(code) = worker.exited()? {
+                bail!("the serving report-generator exited with {code:?} during the warm-up");
+            }
+            ensure!(
+                spawned.elapsed() < limit,
+                "the serving report-generator did not complete the warm-up report within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        eprintln!(
+            "  end to end: the serving worker started, joined, took its partitions and \
+             completed a warm-up report in {:.3} s",
+            spawned.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        ingest(&api.client, &workload, args.connections, limit).await?;
+        let ingested = started.elapsed().as_secs_f64();
+        for stream in &workload.streams {
+            api.client.cut(stream).await?;
+        }
+        loop {
+            // Less the warm-up's record.
+            let reported = manifests.refresh(&stack).await? - 1;
+            if reported >= args.records as u64 {
+                ensure!(
+                    reported == args.records as u64,
+                    "end to end: the reports hold {reported} records, {} were sent",
+                    args.records
+                );
+                break;
+            }
+            if let Some(code) = worker.exited()? {
+                bail!("the serving report-generator exited with {code:?} at {reported} records");
+            }
+            ensure!(
+                started.elapsed() < limit,
+                "end to end: only {reported} of {} records reported after {limit:?}",
+                args.records
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let mut streams = workload.streams.clone();
+        streams.push(warm_up);
+        manifests.check_streams(&streams)?;
+        rows.push(Row {
+            name: "end to end (HTTP -> completed reports in S3)",
+            records: args.records,
+            seconds,
+        });
+        eprintln!(
+            "  end to end: {seconds:.3} s (ingest part {ingested:.3} s), {} reports",
+            manifests.read.len() - 1
+        );
+        let code = worker.terminate(Duration::from_secs(60)).await?;
+        ensure!(
+            code == Some(0),
+            "the serving report-generator exited with {code:?} on SIGTERM"
+        );
+    }
+
+    println!(
+        "{:<58} {:>9} {:>9} {:>12}",
+        "scenario", "records", "seconds", "records/s"
+    );
+    for row in &rows {
+        println!(
+            "{:<58} {:>9} {:>9.3} {:>12.0}",
+            row.name,
+            row.records,
+            row.seconds,
+            row.rate()
+        );
+    }
+    let rate = |prefix: &str| {
+        rows.iter()
+            .find(|row| row.name.starts_with(prefix))
+            .map(Row::rate)
+            .expect("scenario ran")
+    };
+    println!(
+        "pipeline e2e_records_per_s={:.0} ingest_over_ceiling={:.2} worker_over_ceiling={:.2}",
+        rate("end to end"),
+        rate("ingest alone") / rate("ceiling produce"),
+        rate("worker alone") / rate("ceiling consume"),
+    );
+    Ok(())
+}
+
+/// Sends every request of `workload`, `connections` at a time; the seconds
+/// until every one was answered 200.
+async fn ingest(
+    api: &ApiClient,
+    workload: &Arc<Workload>,
+    connections: usize,
+    limit: Duration,
+) -> anyhow::Result<f64> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let (api, workload, next) = (api.clone(), Arc::clone(workload), Arc::clone(&next));
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                let Some(request) = workload.requests.get(index) else {
+                    return Ok::<(), anyhow::Error>(());
+                };
+                api.send(&request.stream, request.body.clone()).await?;
+            }
+        }));
+    }
+    let all = futures::future::try_join_all(tasks);
+    let results = tokio::time::timeout(limit, all)
+        .await
+        .map_err(|_| anyhow!("ingest did not finish within {limit:?}"))??;
+    for result in results {
+        result?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// The completed reports' manifests, read once each.
+#[derive(Default)]
+struct Manifests {
+    /// manifest key -> (stream, records)
+    read: BTreeMap<String, (String, u64)>,
+}
+
+impl Manifests {
+    /// Reads the manifests not read yet; the records of all of them.
+    async fn refresh(&mut self, stack: &TestStack) -> anyhow::Result<u64> {
+        for key in stack.bucket.list("manifests/").await {
+            if self.read.contains_key(&key) {
+                continue;
+            }
+            let bytes = stack
+                .bucket
+                .read(&key)
+                .await
+                .ok_or_else(|| anyhow!("manifest {key} listed but not readable"))?;
+            let manifest: serde_json::Value =
+                serde_json::from_slice(&bytes).with_context(|| format!("manifest {key}"))?;
+            let records = manifest["records"]
+                .as_u64()
+                .ok_or_else(|| anyhow!("manifest {key} has no record count: {manifest}"))?;
+            let stream = manifest["stream"].as_str().unwrap_or_default().to_owned();
+            self.read.insert(key, (stream, records));
+        }
+        Ok(self.read.values().map(|(_, records)| records).sum())
+    }
+
+    /// Every stream sent to has at least one report, and no other stream has.
+    fn check_streams(&self, streams: &[String]) -> anyhow::Result<()> {
+        let reported: BTreeSet<&str> = self.read.values().map(|(s, _)| s.as_str()).collect();
+        let sent: BTreeSet<&str> = streams.iter().map(String::as_str).collect();
+        ensure!(
+            reported == sent,
+            "reports are of streams {reported:?}, records were sent to {sent:?}"
+        );
+        Ok(())
+    }
+}
+
+/// Waits (bounded) until the worker is a member of its group, so the end to
+/// end time does not count its start-up and first join.
+async fn wait_for_member(group: &str, worker: &mut Service, limit: Duration) -> anyhow::Result<()> {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &kafka_settings().bootstrap_servers);
+    let client: BaseConsumer = config.create()?;
+    let started = Instant::now();
+    loop {
+        if let Some(code) = worker.exited()? {
+            bail!("the serving report-generator exited with {code:?} before joining its group");
+        }
+        let stable = tokio::task::block_in_place(|| {
+            client
+                .fetch_group_list(Some(group), Duration::from_secs(5))
+                .map(|list| {
+                    list.groups()
+                        .iter()
+                        .any(|found| found.state() == "Stable" && !found.members().is_empty())
+                })
+                .unwrap_or(false)
+        });
+        if stable {
+            return Ok(());
+        }
+        ensure!(
+            started.elapsed() < limit.min(Duration::from_secs(60)),
+            "the serving report-generator did not join group {group} within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Plain idempotent produce of `messages`, keyed by stream: seconds until
+/// every one is delivered.
+fn ceiling_produce(
+    topic: &str,
+    messages: &[(String, Vec<u8>)],
+    limit: Duration,
+) -> anyhow::Result<f64> {
+    let producer: FutureProducer = crate::queue::ceiling_config().create()?;
+    let started = Instant::now();
+    let mut deliveries = Vec::with_capacity(messages.len());
+    for (key, payload) in messages {
+        let mut record = FutureRecord::to(topic).key(key.as_str()).payload(payload);
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    deliveries.push(delivery);
+                    break;
+                }
+                // The local queue is full: let deliveries drain it.
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    returned,
+                )) => {
+                    ensure!(started.elapsed() < limit, "ceiling produce stalled");
+                    producer.poll(Duration::from_millis(10));
+                    record = returned;
+                }
+                Err((error, _)) => return Err(error.into()),
+            }
+        }
+    }
+    producer.flush(limit)?;
+    for delivery in deliveries {
+        futures::executor::block_on(delivery)?.map_err(|(error, _)| error)?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// A plain consumer assigned every partition from the beginning: messages
+/// read after the first one, and the seconds from the first one on.
+fn ceiling_consume(
+    topic: &str,
+    partitions: i32,
+    records: usize,
+    limit: Duration,
+) -> anyhow::Result<(usize, f64)> {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &kafka_settings().bootstrap_servers)
+        .set("group.id", unique("bench-pipeline-ceiling"))
+        .set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = config.create()?;
+    let mut assignment = TopicPartitionList::new();
+    for partition in 0..partitions {
+        assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let joined = Instant::now();
+    let mut started = None;
+    let mut read = 0;
+    while read < records - 1 {
+        ensure!(
+            joined.elapsed() < limit,
+            "ceiling consume stalled at {read} of {records}"
+        );
+        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
+            message?;
+            if started.is_none() {
+                started = Some(Instant::now());
+            } else {
+                read += 1;
+            }
+        }
+    }
+    let started = started.ok_or_else(|| anyhow!("no message was read"))?;
+    Ok((read, started.elapsed().as_secs_f64()))
+}
+
+/// The release binaries of the services, beside this one.
+struct ServiceBinaries {
+    directory: PathBuf,
+}
+
+impl ServiceBinaries {
+    fn locate() -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let directory = exe
+            .parent()
+            .ok_or_else(|| anyhow!("no directory for {}", exe.display()))?
+            .to_path_buf();
+        for name in ["producer-api", "report-generator"] {
+            ensure!(
+                directory.join(name).exists(),
+                "{} is not built: run `cargo build --release -p producer-api -p report-generator`",
+                directory.join(name).display()
+            );
+        }
+        Ok(ServiceBinaries { directory })
+    }
+
+    /// A service of `stack`, its logs at `QUIRE_TEST_SERVICE_LOG` (a RUST_LOG
+    /// filter, `warn` by default) on this process's stderr.
+    fn command(&self, name: &str, stack: &TestStack) -> Command {
+        let mut command = Command::new(self.directory.join(name));
+        command
+            .envs(stack.environment())
+            .env(
+                "RUST_LOG",
+                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        command
+    }
+
+    /// Starts the producer API on a free port; waits (bounded) until healthy.
+    async fn start_api(&self, stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let mut service = Service::spawn(
+            self.command("producer-api", stack)
+                .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}")),
+            "producer-api",
+        )?;
+        let client = ApiClient {
+            base: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(60))
+                .build()?,
+        };
+        let started = Instant::now();
+        loop {
+            if let Ok(response) = client
+                .http
+                .get(format!("{}/healthz", client.base))
+                .send()
+                .await
+                && response.status().is_success()
+            {
+                return Ok(Api {
+                    client,
+                    _service: service,
+                });
+            }
+            if let Some(code) = service.exited()? {
+                bail!("producer-api exited with {code:?} before it was healthy");
+            }
+            ensure!(
+                started.elapsed() < limit.min(Duration::from_secs(60)),
+                "producer-api did not become healthy within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn spawn_worker(
+        &self,
+        stack: &TestStack,
+        replica: &str,
+        drain: bool,
+    ) -> anyhow::Result<Service> {
+        let mut command = self.command("report-generator", stack);
+        command.env("QUIRE_WORKER__REPLICA_ID", replica);
+        if drain {
+            command.arg("--drain");
+        }
+        Service::spawn(&mut command, "report-generator")
+    }
+}
+
+/// A child process, killed when dropped.
+struct Service {
+    child: Child,
+    name: &'static str,
+}
+
+impl Service {
+    fn spawn(command: &mut Command, name: &'static str) -> anyhow::Result<Service> {
+        Ok(Service {
+            child: command.spawn().with_context(|| format!("start {name}"))?,
+            name,
+        })
+    }
+
+    /// `Some(exit code)` once the process has exited.
+    fn exited(&mut self) -> anyhow::Result<Option<Option<i32>>> {
+        Ok(self.child.try_wait()?.map(|status| status.code()))
+    }
+
+    /// Waits (bounded) for the process to exit; its exit code.
+    async fn wait(&mut self, limit: Duration) -> anyhow::Result<Option<i32>> {
+        let started = Instant::now();
+        loop {
+            if let Some(code) = self.exited()? {
+                return Ok(code);
+            }
+            if started.elapsed() > limit {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                bail!("{} did not exit within {limit:?}; killed", self.name);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGTERM, then waits (bounded); the exit code.
+    async fn terminate(&mut self, limit: Duration) -> anyhow::Result<Option<i32>> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        ensure!(status.success(), "kill -TERM {} failed", self.child.id());
+        self.wait(limit).await
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The producer API's address and an HTTP client (cheap to clone).
+#[derive(Clone)]
+struct ApiClient {
+    base: String,
+    http: reqwest::Client,
+}
+
+/// The producer API: a client and its process (killed when dropped).
+struct Api {
+    client: ApiClient,
+    _service: Service,
+}
+
+impl ApiClient {
+    /// Posts one JSON array; fails unless it is answered 200.
+    async fn send(&self, stream: &str, body: Bytes) -> anyhow::Result<()> {
+        let response = self
+            .http
+            .post(format!("{}/v1/streams/{stream}/records", self.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .with_context(|| format!("records request to {stream}"))?;
+        let status = response.status();
+        let answer = response.bytes().await?;
+        ensure!(
+            status.as_u16() == 200,
+            "records to {stream} answered {status}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        Ok(())
+    }
+
+    /// Cuts the stream (a marker after everything accepted so far).
+    async fn cut(&self, stream: &str) -> anyhow::Result<()> {
+        let response = self
+            .http
+            .post(format!("{}/v1/streams/{stream}/reports", self.base))
+            .send()
+            .await
+            .with_context(|| format!("cut of {stream}"))?;
+        let status = response.status();
+        ensure!(
+            status.as_u16() == 202,
+            "cut of {stream} answered {status}: {}",
+            response.text().await.unwrap_or_default()
+        );
+        Ok(())
+    }
+}
