@@ -118,6 +118,11 @@ pub(crate) fn consumer_config(
     cooperative: bool,
 ) -> Result<ClientConfig, QueueError> {
     let mut config = base_config(settings)?;
+    // Catching up on a backlog: 1 MiB per partition per fetch (the default)
+    // made a worker wait on fetch round trips; measured by the pipeline
+    // benchmark at 1,000,000 records, 8 MiB took the worker from 107k to
+    // 154k records/s. The user may still set it.
+    set_default(&mut config, "max.partition.fetch.bytes", "8388608");
     config
         .set("group.id", group_id)
         .set("enable.auto.commit", "false")
