@@ -32,7 +32,7 @@ use rdkafka::{Offset, TopicPartitionList};
 #[derive(clap::Args, Clone)]
 pub struct PipelineArgs {
     /// Records per scenario.
-    #[arg(long, default_value_t = 200_000)]
+    #[arg(long, default_value_t = 1_000_000)]
     records: usize,
     /// Approximate size of one record's JSON object, in bytes.
     #[arg(long, default_value_t = 100)]
