@@ -4,3 +4,4 @@
 mod pipeline;
 mod queue;
 mod writer;
+mod compose;
