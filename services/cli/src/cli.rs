@@ -1,0 +1,261 @@
+//! The command line: global options and one subcommand per task.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Where `deploy/local/services up` runs the producer API.
+pub const DEFAULT_API_URL: &str = "http://127.0.0.1:18080";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "quire",
+    version,
+    about = "Send records to quire, cut reports, and fetch them, over the producer API",
+    after_help = "Exit codes: 0 success, 1 error (the API's code and message are shown), 2 usage, 130 interrupted (send saves its progress first)."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalOptions,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct GlobalOptions {
+    /// The producer API's base URL.
+    #[arg(long = "api", env = "QUIRE_API_URL", default_value = DEFAULT_API_URL, global = true)]
+    pub api_url: String,
+    /// Bearer token for the API (sent as `Authorization: Bearer TOKEN`).
+    #[arg(long, env = "QUIRE_API_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<String>,
+    /// Machine-readable output: JSON on stdout (one document per line), errors as JSON on stderr.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Send the records of an NDJSON file or a JSON array, in arrays, resumably.
+    Send(SendArgs),
+    /// Cut a report of a stream now; prints the report id.
+    Cut(StreamArgs),
+    /// Whether a report is pending or completed, with its manifest.
+    Status(ReportArgs),
+    /// Download a report's content to a file, checking its SHA-256.
+    Get(GetArgs),
+    /// List a stream's completed reports (all pages).
+    List(ListArgs),
+    /// Print each new completed report of the streams as it appears. Polls
+    /// `GET /v1/streams/{stream}/reports` every `--interval`.
+    Watch(WatchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    /// The stream to send to.
+    #[arg(long, short = 's')]
+    pub stream: String,
+    /// NDJSON (one object per line) or one JSON array; `-` reads stdin.
+    pub file: String,
+    /// Records per request.
+    #[arg(long = "array", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub array_size: u64,
+    /// Also start a new request before its body passes this many bytes.
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_request_bytes: u64,
+    /// Continue from where the progress file says the last run stopped.
+    #[arg(long)]
+    pub resume: bool,
+    /// The progress file (default `FILE.quire-progress`; needed with `-` to be resumable).
+    #[arg(long = "state")]
+    pub state_path: Option<PathBuf>,
+    /// Retries of a request the API refused with 429 or 503 (it published nothing).
+    #[arg(long, default_value_t = 5)]
+    pub retries: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct StreamArgs {
+    /// The stream.
+    #[arg(long, short = 's')]
+    pub stream: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The report id (`{stream}~{partition}-{offset}`), as `quire cut` printed it.
+    pub report: String,
+}
+
+#[derive(Debug, Args)]
+pub struct GetArgs {
+    /// The report id.
+    pub report: String,
+    /// Where to write the document (`-` for stdout).
+    #[arg(long, short = 'o')]
+    pub output: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// The stream.
+    #[arg(long, short = 's')]
+    pub stream: String,
+    /// Reports asked for per page (1-1000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub page_size: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// The stream(s) to watch (repeat for several).
+    #[arg(long, short = 's', required = true)]
+    pub stream: Vec<String>,
+    /// Time between two polls, e.g. `2s`, `500ms`, `1m`.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Also print the reports that were already there when the watch started.
+    #[arg(long)]
+    pub existing: bool,
+    /// Exit after this many reports were printed.
+    #[arg(long)]
+    pub count: Option<u64>,
+}
+
+/// `500ms`, `2s`, `1m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit) = match text.find(|character: char| !character.is_ascii_digit()) {
+        Some(split) => text.split_at(split),
+        None => (text, "s"),
+    };
+    let amount: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration like 500ms, 2s or 1m"))?;
+    let duration = match unit {
+        "ms" => Duration::from_millis(amount),
+        "s" => Duration::from_secs(amount),
+        "m" => Duration::from_secs(amount * 60),
+        _ => return Err(format!("`{text}`: the unit must be ms, s or m")),
+    };
+    if duration.is_zero() {
+        return Err("the interval must be more than zero".to_owned());
+    }
+    Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(arguments: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("quire").chain(arguments.iter().copied()))
+    }
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn send_takes_its_defaults() {
+        let cli = parse(&["send", "--stream", "orders", "orders.ndjson"]).unwrap();
+        let Command::Send(send) = cli.command else {
+            panic!("not send")
+        };
+        assert_eq!(send.stream, "orders");
+        assert_eq!(send.file, "orders.ndjson");
+        assert_eq!(send.array_size, 1000);
+        assert!(!send.resume);
+        assert_eq!(send.state_path, None);
+        assert!(!cli.global.json);
+    }
+
+    #[test]
+    fn global_options_go_anywhere() {
+        let cli = parse(&[
+            "send",
+            "-s",
+            "orders",
+            "-",
+            "--array",
+            "50",
+            "--resume",
+            "--state",
+            "p.json",
+            "--json",
+            "--api",
+            "http://h:1",
+            "--token",
+            "t",
+        ])
+        .unwrap();
+        assert!(cli.global.json);
+        assert_eq!(cli.global.api_url, "http://h:1");
+        assert_eq!(cli.global.token.as_deref(), Some("t"));
+        let Command::Send(send) = cli.command else {
+            panic!("not send")
+        };
+        assert_eq!(send.file, "-");
+        assert_eq!(send.array_size, 50);
+        assert!(send.resume);
+        assert_eq!(send.state_path, Some(PathBuf::from("p.json")));
+    }
+
+    #[test]
+    fn usage_errors_are_refused() {
+        assert!(
+            parse(&["send", "orders.ndjson"]).is_err(),
+            "--stream is required"
+        );
+        assert!(parse(&["send", "-s", "o", "f", "--array", "0"]).is_err());
+        assert!(parse(&["get", "orders~0-1"]).is_err(), "-o is required");
+        assert!(parse(&["watch"]).is_err(), "--stream is required");
+        assert!(parse(&["list", "-s", "o", "--page-size", "1001"]).is_err());
+        assert_eq!(
+            parse(&["frobnicate"]).unwrap_err().exit_code(),
+            2,
+            "usage errors exit 2"
+        );
+    }
+
+    #[test]
+    fn other_commands_parse() {
+        let cli = parse(&["get", "orders~0-7", "-o", "out.xml"]).unwrap();
+        assert!(
+            matches!(cli.command, Command::Get(GetArgs { ref report, .. }) if report == "orders~0-7")
+        );
+        let cli = parse(&[
+            "watch",
+            "-s",
+            "a",
+            "-s",
+            "b",
+            "--interval",
+            "500ms",
+            "--count",
+            "3",
+        ])
+        .unwrap();
+        let Command::Watch(watch) = cli.command else {
+            panic!("not watch")
+        };
+        assert_eq!(watch.stream, vec!["a", "b"]);
+        assert_eq!(watch.interval, Duration::from_millis(500));
+        assert_eq!(watch.count, Some(3));
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("2h").is_err());
+        assert!(parse_duration("fast").is_err());
+    }
+}

@@ -1,0 +1,28 @@
+//! `quire`, a command line for people over the producer API's HTTP routes:
+//! send records (streamed, resumable), cut reports, and fetch them.
+
+pub mod cli;
+pub mod client;
+pub mod error;
+pub mod output;
+pub mod records;
+pub mod reports;
+pub mod send;
+pub mod state;
+
+use cli::{Cli, Command};
+use client::ApiClient;
+use error::CliError;
+
+/// Runs one command to its end.
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    let client = ApiClient::new(&cli.global.api_url, cli.global.token.clone())?;
+    match &cli.command {
+        Command::Send(arguments) => send::run(&client, &cli.global, arguments).await,
+        Command::Cut(arguments) => reports::cut(&client, &cli.global, arguments).await,
+        Command::Status(arguments) => reports::status(&client, &cli.global, arguments).await,
+        Command::Get(arguments) => reports::get(&client, &cli.global, arguments).await,
+        Command::List(arguments) => reports::list(&client, &cli.global, arguments).await,
+        Command::Watch(arguments) => reports::watch(&client, &cli.global, arguments).await,
+    }
+}

@@ -1,0 +1,188 @@
+//! How far a `quire send` got: a small JSON file rewritten (atomically)
+//! after every array the API accepted, read back by `--resume`.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::records::Format;
+
+/// The state file's format version; a file with another is refused.
+const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendProgress {
+    pub v: u32,
+    pub stream: String,
+    /// The input as given on the command line (`-` for stdin).
+    pub file: String,
+    pub format: Format,
+    /// Records the API accepted, counted from the start of the file.
+    pub records: u64,
+    /// Offset of the first byte not yet sent (just past the last accepted record).
+    pub offset: u64,
+    /// The input's size when it was first sent, if it is a regular file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_size: Option<u64>,
+    /// The last accepted record's id (`partition-offset`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_id: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("reading the progress file {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("the progress file {path} is not one quire wrote: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error(
+        "the progress file {path} has version {found}, this quire reads version {STATE_VERSION}"
+    )]
+    Version { path: PathBuf, found: u32 },
+    #[error("writing the progress file {path}: {source}")]
+    Write { path: PathBuf, source: io::Error },
+}
+
+impl SendProgress {
+    pub fn new(stream: &str, file: &str, format: Format, file_size: Option<u64>) -> Self {
+        Self {
+            v: STATE_VERSION,
+            stream: stream.to_owned(),
+            file: file.to_owned(),
+            format,
+            records: 0,
+            offset: 0,
+            file_size,
+            last_id: None,
+        }
+    }
+
+    /// The state file's default place: beside the input, `FILE.quire-progress`.
+    /// Stdin has none (pass `--state`).
+    pub fn default_path(file: &str) -> Option<PathBuf> {
+        if file == "-" {
+            return None;
+        }
+        let mut name = PathBuf::from(file).into_os_string();
+        name.push(".quire-progress");
+        Some(PathBuf::from(name))
+    }
+
+    /// Reads the state file; `Ok(None)` when there is none.
+    pub fn load(path: &Path) -> Result<Option<Self>, StateError> {
+        let text = match fs::read(path) {
+            Ok(text) => text,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(StateError::Read {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        };
+        let progress: Self = serde_json::from_slice(&text).map_err(|source| StateError::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        if progress.v != STATE_VERSION {
+            return Err(StateError::Version {
+                path: path.to_owned(),
+                found: progress.v,
+            });
+        }
+        Ok(Some(progress))
+    }
+
+    /// Writes the state file through a temporary file and a rename, so a
+    /// crash mid-write leaves the previous state, never half a file.
+    pub fn save(&self, path: &Path) -> Result<(), StateError> {
+        let write_error = |source| StateError::Write {
+            path: path.to_owned(),
+            source,
+        };
+        let mut temporary = path.as_os_str().to_owned();
+        temporary.push(".tmp");
+        let temporary = PathBuf::from(temporary);
+        let mut text = serde_json::to_vec_pretty(self)
+            .map_err(io::Error::other)
+            .map_err(write_error)?;
+        text.push(b'\n');
+        fs::write(&temporary, text).map_err(write_error)?;
+        fs::rename(&temporary, path).map_err(write_error)
+    }
+
+    /// Removes the state file once everything was sent.
+    pub fn remove(path: &Path) -> Result<(), StateError> {
+        match fs::remove_file(path) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(StateError::Write {
+                path: path.to_owned(),
+                source,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch_path() -> PathBuf {
+        std::env::temp_dir().join(format!("quire-cli-state-{}.json", uuid::Uuid::new_v4()))
+    }
+
+    #[test]
+    fn progress_round_trips_through_the_file() {
+        let path = scratch_path();
+        assert_eq!(SendProgress::load(&path).unwrap(), None);
+
+        let mut progress = SendProgress::new("orders", "orders.json", Format::Array, Some(1234));
+        progress.records = 1000;
+        progress.offset = 567;
+        progress.last_id = Some("3-999".to_owned());
+        progress.save(&path).unwrap();
+        assert_eq!(SendProgress::load(&path).unwrap(), Some(progress.clone()));
+
+        progress.records = 2000;
+        progress.save(&path).unwrap();
+        assert_eq!(SendProgress::load(&path).unwrap().unwrap().records, 2000);
+
+        SendProgress::remove(&path).unwrap();
+        assert_eq!(SendProgress::load(&path).unwrap(), None);
+        SendProgress::remove(&path).unwrap();
+    }
+
+    #[test]
+    fn a_foreign_file_or_version_is_refused() {
+        let path = scratch_path();
+        fs::write(&path, "not json").unwrap();
+        assert!(matches!(
+            SendProgress::load(&path),
+            Err(StateError::Parse { .. })
+        ));
+
+        let mut progress = SendProgress::new("s", "f", Format::Ndjson, None);
+        progress.v = 99;
+        fs::write(&path, serde_json::to_vec(&progress).unwrap()).unwrap();
+        assert!(matches!(
+            SendProgress::load(&path),
+            Err(StateError::Version { found: 99, .. })
+        ));
+        fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn the_default_path_sits_beside_the_input() {
+        assert_eq!(
+            SendProgress::default_path("data/orders.ndjson"),
+            Some(PathBuf::from("data/orders.ndjson.quire-progress"))
+        );
+        assert_eq!(SendProgress::default_path("-"), None);
+    }
+}
