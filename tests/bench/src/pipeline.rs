@@ -487,8 +487,10 @@ fn ceiling_produce(
 }
 
 /// A plain consumer assigned every partition from the beginning: messages
-/// read after the first one, and the seconds from the first one on.
-fn ceiling_consume(
+/// read after the first one, and the seconds from the first one on (timing
+/// starts once messages flow, as for the array consumer). The ceiling of
+/// both the queue and the pipeline benchmarks.
+pub(crate) fn ceiling_consume(
     topic: &str,
     partitions: i32,
     records: usize,

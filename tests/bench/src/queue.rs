@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 use quire_queue::{ArrayConsumer, ConsumerOptions, OutMessage, TransactionalProducer};
 use quire_tests::{TestTopic, kafka_settings, payloads, unique};
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::{Offset, TopicPartitionList};
 
 #[derive(clap::Args)]
 pub struct QueueArgs {
@@ -209,41 +207,16 @@ fn ceiling_produce(topic: &str, args: &QueueArgs) -> anyhow::Result<Row> {
 }
 
 fn ceiling_consume(topic: &str, args: &QueueArgs) -> anyhow::Result<Row> {
-    let mut config = ClientConfig::new();
-    config
-        .set("bootstrap.servers", &kafka_settings().bootstrap_servers)
-        .set("group.id", unique("bench-ceiling"))
-        .set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = config.create()?;
-    let mut assignment = TopicPartitionList::new();
-    for partition in 0..args.partitions {
-        assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
-    }
-    consumer.assign(&assignment)?;
-    // As for the array consumer, timing starts once messages flow: from the
-    // first message on, which is not counted.
-    let joined = Instant::now();
-    let mut started = None;
-    let mut read = 0;
-    while read < args.messages - 1 {
-        anyhow::ensure!(
-            joined.elapsed() < Duration::from_secs(120),
-            "ceiling consume stalled at {read}"
-        );
-        if let Some(message) = consumer.poll(Duration::from_millis(100)) {
-            message?;
-            if started.is_none() {
-                started = Some(Instant::now());
-            } else {
-                read += 1;
-            }
-        }
-    }
-    let started = started.expect("messages were read");
+    let (read, seconds) = crate::pipeline::ceiling_consume(
+        topic,
+        args.partitions,
+        args.messages,
+        Duration::from_secs(120),
+    )?;
     Ok(Row {
         name: "ceiling consume (plain librdkafka)".into(),
         messages: read,
-        seconds: started.elapsed().as_secs_f64(),
+        seconds,
     })
 }
 
