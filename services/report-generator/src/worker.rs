@@ -448,16 +448,7 @@ async fn process_message(
                 }
             };
             if !state.open.contains_key(&stream) {
-                let definition = state.stream(&stream).definition.clone();
-                let document = OpenDocument::open(
-                    &context.bucket,
-                    &context.policy,
-                    &stream,
-                    state.partition,
-                    message.offset,
-                    &definition,
-                )
-                .await?;
+                let document = open_document(context, state, &stream, message.offset).await?;
                 state.open.insert(stream.clone(), document);
             }
             let document = state.open.get_mut(&stream).expect("opened above");
@@ -506,18 +497,7 @@ async fn process_message(
             let document = match state.open.remove(&stream) {
                 Some(document) => document,
                 // A cut with nothing new: an empty report, keyed by the marker.
-                None => {
-                    let definition = state.stream(&stream).definition.clone();
-                    OpenDocument::open(
-                        &context.bucket,
-                        &context.policy,
-                        &stream,
-                        state.partition,
-                        message.offset,
-                        &definition,
-                    )
-                    .await?
-                }
+                None => open_document(context, state, &stream, message.offset).await?,
             };
             let report_id = ReportId {
                 stream: stream.clone(),
@@ -558,6 +538,26 @@ async fn process_message(
         }
     }
     Ok(())
+}
+
+/// Opens `stream`'s document at `first_offset` with the definition in force
+/// now: its key and its rendering are fixed from here on.
+async fn open_document(
+    context: &Context,
+    state: &mut PartitionState,
+    stream: &StreamName,
+    first_offset: i64,
+) -> Result<OpenDocument, WorkerError> {
+    let definition = state.stream(stream).definition.clone();
+    OpenDocument::open(
+        &context.bucket,
+        &context.policy,
+        stream,
+        state.partition,
+        first_offset,
+        &definition,
+    )
+    .await
 }
 
 /// `QUIRE_WORKER_FAILPOINT=crash-before-commit`: for the crash tests only.
