@@ -40,6 +40,13 @@ pub struct ApiSettings {
     pub producers: usize,
     pub transactional_id_prefix: String,
     pub replica_id: String,
+    pub idempotency_max_keys: usize,
+    pub idempotency_max_bytes: usize,
+    pub idempotency_ttl_ms: u64,
+    pub max_in_flight_bytes: usize,
+    pub body_read_timeout_ms: u64,
+    pub publish_timeout_ms: u64,
+    pub kafka_check_interval_ms: u64,
 }
 
 /// The report generator (see defaults.toml for what each key means).
@@ -57,6 +64,12 @@ pub struct WorkerSettings {
     pub memory_budget_bytes: u64,
     pub parts_in_flight: usize,
     pub shutdown_grace_ms: u64,
+    pub metrics_listen: String,
+    pub statistics_interval_ms: u64,
+    pub session_timeout_ms: u64,
+    pub wedged_after_ms: u64,
+    pub restart_backoff_initial_ms: u64,
+    pub restart_backoff_max_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -94,6 +107,11 @@ pub struct S3Settings {
     pub endpoint: String,
     pub region: String,
     pub bucket: String,
+    /// Days reports and manifests are kept; 0 keeps them forever.
+    pub report_retention_days: u32,
+    /// Minutes between two retention sweeps, where the server has no
+    /// lifecycle rules.
+    pub retention_sweep_minutes: u64,
 }
 
 impl KafkaSettings {
