@@ -116,6 +116,8 @@ pub(crate) fn consumer_config(
     group_id: &str,
     group_instance_id: Option<&str>,
     cooperative: bool,
+    statistics_interval: Option<std::time::Duration>,
+    session_timeout: Option<std::time::Duration>,
 ) -> Result<ClientConfig, QueueError> {
     let mut config = base_config(settings)?;
     // Catching up on a backlog: 1 MiB per partition per fetch (the default)
@@ -138,6 +140,19 @@ pub(crate) fn consumer_config(
     }
     if let Some(instance_id) = group_instance_id {
         config.set("group.instance.id", instance_id);
+    }
+    // The service asks for statistics (lag metrics); a user's own
+    // statistics.interval.ms stands when the service does not.
+    if let Some(interval) = statistics_interval {
+        config.set(
+            "statistics.interval.ms",
+            interval.as_millis().max(1).to_string(),
+        );
+    }
+    // A consumer-only property: set here rather than through the pass-through
+    // map, which producers share (and warn about).
+    if let Some(timeout) = session_timeout {
+        config.set("session.timeout.ms", timeout.as_millis().max(1).to_string());
     }
     Ok(config)
 }
@@ -193,7 +208,16 @@ mod tests {
     #[test]
     fn consumers_read_committed_without_auto_commit() {
         let settings = KafkaSettings::for_bootstrap("127.0.0.1:1");
-        let config = consumer_config(&settings, "g", Some("r-1"), true).unwrap();
+        let config = consumer_config(
+            &settings,
+            "g",
+            Some("r-1"),
+            true,
+            Some(std::time::Duration::from_secs(2)),
+            Some(std::time::Duration::from_secs(6)),
+        )
+        .unwrap();
+        assert_eq!(config.get("session.timeout.ms"), Some("6000"));
         assert_eq!(config.get("isolation.level"), Some("read_committed"));
         assert_eq!(config.get("enable.auto.commit"), Some("false"));
         assert_eq!(config.get("group.instance.id"), Some("r-1"));
@@ -201,5 +225,6 @@ mod tests {
             config.get("partition.assignment.strategy"),
             Some("cooperative-sticky")
         );
+        assert_eq!(config.get("statistics.interval.ms"), Some("2000"));
     }
 }

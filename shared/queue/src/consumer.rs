@@ -11,7 +11,7 @@ use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::client::consumer_config;
-use crate::context::{QueueContext, RebalanceEvent};
+use crate::context::{PartitionProgress, QueueContext, RebalanceEvent};
 use crate::producer::OffsetsInTransaction;
 use crate::{InMessage, MessageId, OutMessage, QueueError, TransactionalProducer};
 
@@ -27,6 +27,13 @@ pub struct ConsumerOptions {
     pub group_instance_id: Option<String>,
     /// Cooperative-sticky assignment: a rebalance moves only what must move.
     pub cooperative: bool,
+    /// How often librdkafka reports each partition's offsets (for
+    /// [`ArrayConsumer::progress`]); `None` leaves statistics off unless the
+    /// user's Kafka properties turn them on.
+    pub statistics_interval: Option<Duration>,
+    /// `session.timeout.ms`: how long a silent member (a static one included)
+    /// keeps its partitions; `None` leaves librdkafka's default (45 s).
+    pub session_timeout: Option<Duration>,
 }
 
 impl ConsumerOptions {
@@ -36,6 +43,8 @@ impl ConsumerOptions {
             topic: topic.into(),
             group_instance_id: None,
             cooperative: false,
+            statistics_interval: None,
+            session_timeout: None,
         }
     }
 }
@@ -144,6 +153,8 @@ impl ArrayConsumer {
             &options.group_id,
             options.group_instance_id.as_deref(),
             options.cooperative,
+            options.statistics_interval,
+            options.session_timeout,
         )?;
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let context = QueueContext::new(&options.topic, timeout);
@@ -174,6 +185,26 @@ impl ArrayConsumer {
             .keys()
             .copied()
             .collect()
+    }
+
+    /// Where each assigned partition stands (high watermark, last stable
+    /// offset, position) as of librdkafka's latest statistics. Empty until
+    /// statistics are on (`ConsumerOptions::statistics_interval`) and the
+    /// first ones arrived. Reads a snapshot: no call to the broker.
+    pub fn progress(&self) -> Vec<PartitionProgress> {
+        let state = self.consumer.context().lock();
+        state
+            .progress
+            .values()
+            .filter(|progress| state.assigned.contains_key(&progress.partition))
+            .copied()
+            .collect()
+    }
+
+    /// Whether the latest statistics showed a broker connection up; `None`
+    /// before the first statistics.
+    pub fn brokers_up(&self) -> Option<bool> {
+        self.consumer.context().lock().brokers_up
     }
 
     /// Returns as soon as `max` messages are held, or when `max_wait` has

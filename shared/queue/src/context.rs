@@ -5,6 +5,11 @@
 //! the caller. Every assigned partition gets an epoch; an array remembers the
 //! epochs it was read under, and a commit drops partitions whose epoch has
 //! changed since (revoked, possibly given back).
+//!
+//! With `statistics.interval.ms` set, librdkafka's statistics arrive here too
+//! (on the same polling thread): each assigned partition's high watermark,
+//! last stable offset and position are kept for the lag metrics, at no cost
+//! to the polling loop beyond one small JSON parse per interval.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -12,6 +17,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::KafkaError;
+use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
@@ -41,6 +47,70 @@ pub(crate) struct AssignmentState {
     pub at_end: BTreeSet<i32>,
     /// An error found inside a callback, surfaced by the next poll.
     pub callback_error: Option<KafkaError>,
+    /// The offsets librdkafka last reported per partition of the topic.
+    pub progress: BTreeMap<i32, PartitionProgress>,
+    /// Whether the last statistics showed at least one broker connected;
+    /// `None` before the first statistics.
+    pub brokers_up: Option<bool>,
+}
+
+/// Where one partition stands, from librdkafka's statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionProgress {
+    pub partition: i32,
+    /// The offset after the last message in the log (committed or not,
+    /// transaction markers included).
+    pub high_watermark: i64,
+    /// The offset below which every transaction has ended: what a
+    /// read_committed consumer can read up to.
+    pub last_stable_offset: i64,
+    /// The consumer's position: the offset after the last message handed to
+    /// the application or, once the partition's end was reached, that end
+    /// (a read_committed consumer never receives transaction markers or
+    /// aborted messages, so its last message can sit below the end).
+    pub position: i64,
+}
+
+impl PartitionProgress {
+    /// Messages in the log past the position: high watermark - position.
+    pub fn lag(&self) -> i64 {
+        (self.high_watermark - self.position).max(0)
+    }
+
+    /// Messages held back by open transactions: high watermark - last stable
+    /// offset. Stays above zero while a transaction hangs.
+    pub fn unstable(&self) -> i64 {
+        (self.high_watermark - self.last_stable_offset).max(0)
+    }
+
+    /// From one partition of librdkafka's statistics; `None` while the broker
+    /// has not reported the partition's offsets yet.
+    pub(crate) fn from_statistics(partition: &rdkafka::statistics::Partition) -> Option<Self> {
+        if partition.partition < 0 || partition.hi_offset < 0 {
+            return None;
+        }
+        // librdkafka reports unknown offsets as negative logical values.
+        let known = |offset: i64| (offset >= 0).then_some(offset);
+        let last_stable_offset = known(partition.ls_offset).unwrap_or(partition.hi_offset);
+        // Before the first message the consumer stands at its committed
+        // offset (or at the beginning of the log).
+        let position = [
+            partition.app_offset,
+            partition.eof_offset,
+            partition.committed_offset,
+        ]
+        .into_iter()
+        .filter_map(known)
+        .max()
+        .or_else(|| known(partition.lo_offset))
+        .unwrap_or(0);
+        Some(PartitionProgress {
+            partition: partition.partition,
+            high_watermark: partition.hi_offset,
+            last_stable_offset,
+            position,
+        })
+    }
 }
 
 impl AssignmentState {
@@ -104,6 +174,33 @@ impl QueueContext {
 }
 
 impl ClientContext for QueueContext {
+    /// Keeps what the lag metrics need from the statistics (only the
+    /// partitions of the topic; unassigned ones are filtered when read).
+    fn stats(&self, statistics: Statistics) {
+        let progress: BTreeMap<i32, PartitionProgress> = statistics
+            .topics
+            .get(&self.topic)
+            .map(|topic| {
+                topic
+                    .partitions
+                    .values()
+                    .filter_map(PartitionProgress::from_statistics)
+                    .map(|progress| (progress.partition, progress))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // Bootstrap entries ("host:port/bootstrap") count too: before the
+        // first metadata they are the only brokers known.
+        let brokers_up = statistics
+            .brokers
+            .values()
+            .filter(|broker| broker.source != "internal")
+            .any(|broker| broker.state == "UP");
+        let mut state = self.lock();
+        state.progress = progress;
+        state.brokers_up = Some(brokers_up);
+    }
+
     /// librdkafka reports every error event here as well as to the poll that
     /// returns it; the poll decides what it means. Reaching the end of a
     /// partition is routine (drain mode waits for it), not an error.
@@ -194,5 +291,62 @@ impl ConsumerContext for QueueContext {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::statistics::Partition;
+
+    /// librdkafka's "not known" offset.
+    const UNKNOWN: i64 = -1001;
+
+    /// Partition 3 as the statistics describe it before any fetch.
+    fn partition() -> Partition {
+        Partition {
+            partition: 3,
+            app_offset: UNKNOWN,
+            committed_offset: UNKNOWN,
+            eof_offset: UNKNOWN,
+            hi_offset: UNKNOWN,
+            ls_offset: UNKNOWN,
+            ..Partition::default()
+        }
+    }
+
+    #[test]
+    fn offsets_unknown_to_the_broker_give_no_progress() {
+        assert_eq!(PartitionProgress::from_statistics(&partition()), None);
+    }
+
+    #[test]
+    fn a_consumer_at_the_end_has_no_lag_even_below_a_transaction_marker() {
+        // The last record is at 41, its commit marker at 42: the application
+        // got 41 (app_offset 42) and librdkafka signalled the end at 43.
+        let progress = PartitionProgress::from_statistics(&Partition {
+            hi_offset: 43,
+            ls_offset: 43,
+            app_offset: 42,
+            eof_offset: 43,
+            ..partition()
+        })
+        .unwrap();
+        assert_eq!(progress.position, 43);
+        assert_eq!(progress.lag(), 0);
+        assert_eq!(progress.unstable(), 0);
+    }
+
+    #[test]
+    fn lag_counts_from_the_committed_offset_before_the_first_message() {
+        let progress = PartitionProgress::from_statistics(&Partition {
+            hi_offset: 100,
+            ls_offset: 90,
+            committed_offset: 60,
+            ..partition()
+        })
+        .unwrap();
+        assert_eq!(progress.lag(), 40);
+        assert_eq!(progress.unstable(), 10, "an open transaction holds 10 back");
     }
 }

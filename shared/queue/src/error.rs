@@ -20,6 +20,11 @@ pub enum QueueError {
     )]
     ProducerFatal(KafkaError),
 
+    #[error(
+        "the kafka transaction's commit was asked for but did not finish: it may or may not be committed (look before sending it again): {0}"
+    )]
+    CommitOutcomeUnknown(KafkaError),
+
     #[error("kafka consumer error: {0}")]
     Consume(KafkaError),
 

@@ -6,6 +6,9 @@
 //! one, and answers each caller when it commits. If it fails, every caller in
 //! it gets the error and none of their arrays is visible.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{MessageId, OutMessage, QueueError, TransactionalProducer};
@@ -33,6 +36,22 @@ impl Default for GroupCommitLimits {
     }
 }
 
+/// One group-commit transaction, as told to a [`TransactionObserver`].
+#[derive(Debug, Clone, Copy)]
+pub struct TransactionReport {
+    pub arrays: usize,
+    pub messages: usize,
+    pub bytes: usize,
+    /// From the transaction's start to its commit or abort.
+    pub elapsed: Duration,
+    /// `committed`, `aborted` (nothing visible) or `unknown` (the commit was
+    /// asked for and did not finish).
+    pub outcome: &'static str,
+}
+
+/// Called after every transaction (metrics).
+pub type TransactionObserver = Arc<dyn Fn(&TransactionReport) + Send + Sync>;
+
 struct Request {
     messages: Vec<OutMessage>,
     reply: oneshot::Sender<Result<Vec<MessageId>, QueueError>>,
@@ -48,8 +67,17 @@ impl ArrayEnqueuer {
     /// Starts the group-commit task on the current runtime. It ends when every
     /// clone of the enqueuer is dropped.
     pub fn start(producer: TransactionalProducer, limits: GroupCommitLimits) -> Self {
+        Self::start_observed(producer, limits, None)
+    }
+
+    /// [`start`](Self::start), calling `observer` after every transaction.
+    pub fn start_observed(
+        producer: TransactionalProducer,
+        limits: GroupCommitLimits,
+        observer: Option<TransactionObserver>,
+    ) -> Self {
         let (requests, receiver) = mpsc::channel(limits.queue_depth.max(1));
-        tokio::spawn(run_group_commit(producer, limits, receiver));
+        tokio::spawn(run_group_commit(producer, limits, receiver, observer));
         ArrayEnqueuer { requests }
     }
 
@@ -73,6 +101,7 @@ async fn run_group_commit(
     producer: TransactionalProducer,
     limits: GroupCommitLimits,
     mut receiver: mpsc::Receiver<Request>,
+    observer: Option<TransactionObserver>,
 ) {
     while let Some(first) = receiver.recv().await {
         let mut group = vec![first];
@@ -92,7 +121,22 @@ async fn run_group_commit(
             replies.push(request.reply);
         }
         tracing::debug!(arrays = sizes.len(), messages, bytes, "group commit");
-        match producer.transact(all_messages).await {
+        let started = Instant::now();
+        let outcome = producer.transact(all_messages).await;
+        if let Some(observer) = &observer {
+            observer(&TransactionReport {
+                arrays: sizes.len(),
+                messages,
+                bytes,
+                elapsed: started.elapsed(),
+                outcome: match &outcome {
+                    Ok(_) => "committed",
+                    Err(QueueError::CommitOutcomeUnknown(_)) => "unknown",
+                    Err(_) => "aborted",
+                },
+            });
+        }
+        match outcome {
             Ok(ids) => {
                 let mut ids = ids.into_iter();
                 for (reply, size) in replies.into_iter().zip(sizes) {

@@ -33,9 +33,9 @@ pub use consumer::{
     Array, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit, DrainSummary,
     TransactionOutcome,
 };
-pub use context::RebalanceEvent;
+pub use context::{PartitionProgress, RebalanceEvent};
 pub use error::QueueError;
-pub use group_commit::{ArrayEnqueuer, GroupCommitLimits};
+pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
 pub use producer::{ProducerStatistics, TransactionalProducer};
 

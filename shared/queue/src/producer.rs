@@ -52,10 +52,19 @@ struct Inner {
     producer: FutureProducer<ProducerStatistics>,
     statistics: ProducerStatistics,
     transactional_id: String,
+    /// How long a blocking call (init, commit, offsets) may take.
     timeout: Duration,
+    /// How long sending and flushing one transaction's messages, and aborting
+    /// it, may take before the commit is asked for; past it the transaction
+    /// is aborted, nothing of it visible.
+    send_timeout: Duration,
     /// One open transaction at a time.
     transaction_lock: Mutex<()>,
-    /// Set once librdkafka reports a fatal error (fenced): the producer is dead.
+    /// Set once librdkafka reports a fatal error (fenced), or once the
+    /// producer's transaction state is no longer known (an abort that did not
+    /// finish, a commit whose outcome is unknown): the producer is dead and
+    /// must be recreated (a new `init_transactions` with the same id fences it
+    /// and ends its open transaction).
     fatal: AtomicBool,
 }
 
@@ -73,6 +82,19 @@ impl TransactionalProducer {
     pub async fn connect(
         settings: &KafkaSettings,
         transactional_id: &str,
+    ) -> Result<Self, QueueError> {
+        let timeout = Duration::from_millis(settings.request_timeout_ms);
+        Self::connect_with_send_timeout(settings, transactional_id, timeout).await
+    }
+
+    /// [`connect`](Self::connect), with a bound on sending one transaction's
+    /// messages (and on aborting it) shorter than `kafka.request_timeout_ms`:
+    /// when Kafka is away, a transaction fails (aborted, nothing visible)
+    /// after `send_timeout` instead of the request timeout.
+    pub async fn connect_with_send_timeout(
+        settings: &KafkaSettings,
+        transactional_id: &str,
+        send_timeout: Duration,
     ) -> Result<Self, QueueError> {
         let config = producer_config(settings, transactional_id)?;
         let statistics = ProducerStatistics::default();
@@ -94,6 +116,7 @@ impl TransactionalProducer {
                 statistics,
                 transactional_id: transactional_id.to_owned(),
                 timeout,
+                send_timeout,
                 transaction_lock: Mutex::new(()),
                 fatal: AtomicBool::new(false),
             }),
@@ -104,6 +127,13 @@ impl TransactionalProducer {
         &self.inner.transactional_id
     }
 
+    /// False once the producer is fenced, or its transaction state is no
+    /// longer known: every further call fails with
+    /// [`QueueError::ProducerFatal`]; create a new producer with the same id.
+    pub fn is_usable(&self) -> bool {
+        !self.inner.fatal.load(Ordering::Acquire)
+    }
+
     /// librdkafka's statistics, refreshed every `statistics.interval.ms`.
     pub fn statistics(&self) -> &ProducerStatistics {
         &self.inner.statistics
@@ -111,6 +141,11 @@ impl TransactionalProducer {
 
     /// Publishes `messages` in one transaction: all visible to read_committed
     /// consumers or none. Returns one id per message, in order.
+    ///
+    /// [`QueueError::TransactionAborted`] (and `ProducerFatal` before the
+    /// commit was asked for) means nothing of it is visible, ever;
+    /// [`QueueError::CommitOutcomeUnknown`] means the commit was asked for
+    /// and may have happened: the caller must not say it failed.
     pub async fn transact(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || inner.transact_blocking(&messages, None)).await?
@@ -138,39 +173,22 @@ impl Inner {
                 RDKafkaErrorCode::Fatal,
             )));
         }
-        self.producer
-            .begin_transaction()
-            .map_err(|error| self.classify(error))?;
-        match self.send_and_commit(messages, offsets) {
-            Ok(ids) => Ok(ids),
+        if let Err(error) = self.producer.begin_transaction() {
+            // begin is local: it fails only when the state is not what we
+            // think (an earlier abort still running), so start afresh.
+            self.mark_unusable("begin_transaction failed", &error);
+            return Err(self.classify(error));
+        }
+        let deadline = std::time::Instant::now() + self.send_timeout;
+        let deliveries = match self.send_all(messages, offsets, deadline) {
+            Ok(deliveries) => deliveries,
             Err(error) => {
-                let producer_alive = !matches!(error, QueueError::ProducerFatal(_));
-                if producer_alive
-                    && let Err(abort_error) = self.producer.abort_transaction(self.timeout)
-                {
-                    tracing::warn!(error = %abort_error, "abort of a failed transaction failed");
-                    self.classify(abort_error);
-                }
-                Err(error)
+                // The commit was never asked for: nothing of this transaction
+                // can become visible, whatever the abort below does.
+                self.abort_after(&error);
+                return Err(error);
             }
-        }
-    }
-
-    fn send_and_commit(
-        &self,
-        messages: &[OutMessage],
-        offsets: Option<OffsetsInTransaction<'_>>,
-    ) -> Result<Vec<MessageId>, QueueError> {
-        let mut deliveries = Vec::with_capacity(messages.len());
-        for message in messages {
-            deliveries.push(self.send_one(message)?);
-        }
-        if let Some(offsets) = offsets {
-            self.producer
-                .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
-                .map_err(|error| self.classify(error))?;
-        }
-        self.flush_deliveries()?;
+        };
         self.commit_with_retries()?;
         // Committed: every delivery report has arrived (commit flushes).
         deliveries
@@ -180,15 +198,65 @@ impl Inner {
                     partition: delivered.partition,
                     offset: delivered.offset,
                 }),
-                Ok(Err((error, _))) => Err(QueueError::TransactionAborted(error)),
-                Err(_cancelled) => Err(QueueError::TransactionAborted(KafkaError::Canceled)),
+                // Cannot happen after a successful commit; if it does, the
+                // transaction is committed all the same: never say "aborted".
+                Ok(Err((error, _))) => Err(QueueError::CommitOutcomeUnknown(error)),
+                Err(_cancelled) => Err(QueueError::CommitOutcomeUnknown(KafkaError::Canceled)),
             })
             .collect()
     }
 
+    /// Ends a transaction whose commit was never asked for. An abort that does
+    /// not finish (Kafka away) leaves the producer in a state we no longer
+    /// know: it is marked unusable, and its replacement's `init_transactions`
+    /// ends the transaction (or the coordinator's transaction timeout does).
+    fn abort_after(&self, error: &QueueError) {
+        if matches!(error, QueueError::ProducerFatal(_)) {
+            return;
+        }
+        if let Err(abort_error) = self.producer.abort_transaction(self.send_timeout) {
+            tracing::warn!(
+                transactional_id = %self.transactional_id,
+                error = %abort_error,
+                "abort of a failed transaction did not finish; the producer will be recreated"
+            );
+            self.mark_unusable("abort did not finish", &abort_error);
+        }
+    }
+
+    fn mark_unusable(&self, why: &'static str, error: &KafkaError) {
+        if !self.fatal.swap(true, Ordering::AcqRel) {
+            tracing::warn!(transactional_id = %self.transactional_id, error = %error, why, "producer marked unusable");
+        }
+    }
+
+    /// Sends every message and the offsets, and waits for every delivery
+    /// report, all before `deadline`.
+    fn send_all(
+        &self,
+        messages: &[OutMessage],
+        offsets: Option<OffsetsInTransaction<'_>>,
+        deadline: std::time::Instant,
+    ) -> Result<Vec<DeliveryFuture>, QueueError> {
+        let mut deliveries = Vec::with_capacity(messages.len());
+        for message in messages {
+            deliveries.push(self.send_one(message, deadline)?);
+        }
+        if let Some(offsets) = offsets {
+            self.producer
+                .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
+                .map_err(|error| self.classify(error))?;
+        }
+        self.flush_deliveries(deadline)?;
+        Ok(deliveries)
+    }
+
     /// Queues one message, waiting while librdkafka's local queue is full.
-    fn send_one(&self, message: &OutMessage) -> Result<DeliveryFuture, QueueError> {
-        let deadline = std::time::Instant::now() + self.timeout;
+    fn send_one(
+        &self,
+        message: &OutMessage,
+        deadline: std::time::Instant,
+    ) -> Result<DeliveryFuture, QueueError> {
         loop {
             let mut record: FutureRecord<'_, [u8], [u8]> =
                 FutureRecord::to(&message.topic).payload(message.payload.as_slice());
@@ -233,8 +301,11 @@ impl Inner {
     /// producer at ten transactions a second. librdkafka's own flush waits on
     /// the message count and returns as soon as the last report is served, so
     /// we flush with it first and the commit's flush finds nothing to wait for.
-    fn flush_deliveries(&self) -> Result<(), QueueError> {
-        let timeout_ms = i32::try_from(self.timeout.as_millis()).unwrap_or(i32::MAX);
+    fn flush_deliveries(&self, deadline: std::time::Instant) -> Result<(), QueueError> {
+        let remaining = deadline.saturating_duration_since(std::time::Instant::now());
+        let timeout_ms = i32::try_from(remaining.as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
         // SAFETY: the pointer is the live client owned by `self.producer`, which
         // outlives the call; rd_kafka_flush is thread-safe.
         let code = unsafe {
@@ -247,6 +318,11 @@ impl Inner {
         }
     }
 
+    /// Asks for the commit. Only an error that librdkafka says requires an
+    /// abort proves nothing was committed; a commit that keeps timing out, or
+    /// a fatal error in the middle of it, leaves the outcome unknown (the
+    /// coordinator may have written the commit): that is
+    /// [`QueueError::CommitOutcomeUnknown`], never "aborted".
     fn commit_with_retries(&self) -> Result<(), QueueError> {
         let mut attempt = 1;
         loop {
@@ -258,7 +334,23 @@ impl Inner {
                     tracing::warn!(attempt, error = %error, "transaction commit is retriable; retrying");
                     attempt += 1;
                 }
-                Err(error) => return Err(self.classify(error)),
+                Err(KafkaError::Transaction(error))
+                    if error.txn_requires_abort() && !error.is_fatal() =>
+                {
+                    let error = QueueError::TransactionAborted(KafkaError::Transaction(error));
+                    self.abort_after(&error);
+                    return Err(error);
+                }
+                Err(error) => {
+                    self.classify(error.clone());
+                    self.mark_unusable("commit outcome unknown", &error);
+                    tracing::error!(
+                        transactional_id = %self.transactional_id,
+                        error = %error,
+                        "transaction commit did not finish; it may or may not be committed"
+                    );
+                    return Err(QueueError::CommitOutcomeUnknown(error));
+                }
             }
         }
     }
