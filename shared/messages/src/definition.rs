@@ -30,9 +30,17 @@ pub struct Definition {
     /// Field name -> element or attribute name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub renames: BTreeMap<String, String>,
-    /// Store the document gzip-compressed (`.xml.gz`).
-    #[serde(default)]
+    /// Store the document gzip-compressed (`.xml.gz`, `application/gzip`),
+    /// compressed while it streams. Absent means false; a definition that
+    /// sets it is written as version [`Definition::GZIP_VERSION`], so a
+    /// release that cannot compress refuses it by name instead of storing
+    /// plain XML under a `.xml.gz` key.
+    #[serde(default, skip_serializing_if = "is_false")]
     pub gzip: bool,
+}
+
+fn is_false(flag: &bool) -> bool {
+    !*flag
 }
 
 /// The element that closes every document with its record count, offset
@@ -82,6 +90,23 @@ pub enum DefinitionError {
 }
 
 impl Definition {
+    /// The first version with `gzip`: readers that know only version 1 must
+    /// refuse a definition that compresses.
+    pub const GZIP_VERSION: u32 = 2;
+    /// The newest definition version this release reads.
+    pub const NEWEST_VERSION: u32 = Definition::GZIP_VERSION;
+
+    /// The version to publish this definition with: the oldest that holds
+    /// everything it asks for, so definitions without gzip stay readable by
+    /// every release.
+    pub fn required_version(&self) -> u32 {
+        if self.gzip {
+            Definition::GZIP_VERSION
+        } else {
+            CURRENT_VERSION
+        }
+    }
+
     /// Checks that the definition can only produce well-formed XML.
     pub fn validate(&self) -> Result<(), DefinitionError> {
         check_name("root", &self.root)?;
@@ -177,6 +202,31 @@ mod tests {
         assert!(!is_xml_name("a:b"));
         assert!(!is_xml_name("a b"));
         assert!(is_xml_name("été"));
+    }
+
+    #[test]
+    fn gzip_is_optional_and_raises_the_version_it_needs() {
+        let old: Definition = crate::decode("definition", br#"{"v":1,"root":"orders"}"#).unwrap();
+        assert!(!old.gzip);
+        assert_eq!(old.required_version(), CURRENT_VERSION);
+        let plain = serde_json::to_string(&Definition::default()).unwrap();
+        assert!(
+            !plain.contains("gzip"),
+            "a definition without gzip is written as before: {plain}"
+        );
+        let compressed = Definition {
+            gzip: true,
+            ..Definition::default()
+        };
+        assert_eq!(compressed.required_version(), Definition::GZIP_VERSION);
+        let published = Definition {
+            v: compressed.required_version(),
+            ..compressed
+        };
+        let read: Definition = crate::decode("definition", &crate::encode(&published)).unwrap();
+        assert!(read.gzip);
+        let error = crate::decode::<Definition>("definition", br#"{"v":3}"#).unwrap_err();
+        assert!(error.to_string().contains("version 3"), "{error}");
     }
 
     #[test]

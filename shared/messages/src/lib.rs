@@ -5,7 +5,10 @@
 //! [`HEADER_VERSION`]. A reader accepts every version up to
 //! [`CURRENT_VERSION`] and refuses newer ones with a clear error, never a
 //! silent misreading. Unknown fields are ignored, so a newer writer may add
-//! optional fields without a version bump.
+//! optional fields without a version bump. Definitions refuse unknown fields
+//! (they are what an API client typed), so a field that changes what is
+//! stored raises their version instead, only on the definitions that use it:
+//! a definition with `gzip` is version 2, one without stays version 1.
 //!
 //! The log `quire.records` holds, per stream key, in order:
 //! - records: the JSON object exactly as the producer sent it (header
@@ -25,7 +28,10 @@ pub use definition::{
     Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
     is_xml_name_start_char,
 };
-pub use names::{ReportId, StreamName, StreamNameError, report_key};
+pub use names::{
+    GZIP_CONTENT_TYPE, ReportId, StreamName, StreamNameError, XML_CONTENT_TYPE,
+    report_content_type, report_key,
+};
 pub use report::{DeadLetter, Manifest, ReportEvent, ReportEventKind, Trigger, Watermark};
 
 /// The version this release writes.
@@ -105,10 +111,12 @@ pub enum DecodeError {
         what: &'static str,
         source: serde_json::Error,
     },
-    #[error(
-        "{what} has version {found}, newer than this release reads ({CURRENT_VERSION}); upgrade it"
-    )]
-    TooNew { what: &'static str, found: u32 },
+    #[error("{what} has version {found}, newer than this release reads ({newest}); upgrade it")]
+    TooNew {
+        what: &'static str,
+        found: u32,
+        newest: u32,
+    },
 }
 
 /// Decodes a versioned JSON body, refusing versions newer than ours.
@@ -118,10 +126,11 @@ where
 {
     let value: T =
         serde_json::from_slice(bytes).map_err(|source| DecodeError::Json { what, source })?;
-    if value.version() > CURRENT_VERSION {
+    if value.version() > T::NEWEST_VERSION {
         return Err(DecodeError::TooNew {
             what,
             found: value.version(),
+            newest: T::NEWEST_VERSION,
         });
     }
     Ok(value)
@@ -134,6 +143,9 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 
 /// A body with a version field.
 pub trait Versioned {
+    /// The newest version of this body this release reads.
+    const NEWEST_VERSION: u32 = CURRENT_VERSION;
+
     fn version(&self) -> u32;
 }
 
@@ -146,14 +158,16 @@ macro_rules! versioned {
         }
     )*};
 }
-versioned!(
-    CutMarker,
-    Definition,
-    ReportEvent,
-    Watermark,
-    DeadLetter,
-    Manifest
-);
+versioned!(CutMarker, ReportEvent, Watermark, DeadLetter, Manifest);
+
+/// Definitions gained `gzip` in version 2 ([`Definition::GZIP_VERSION`]).
+impl Versioned for Definition {
+    const NEWEST_VERSION: u32 = Definition::NEWEST_VERSION;
+
+    fn version(&self) -> u32 {
+        self.v
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -145,6 +145,23 @@ pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: 
     format!("reports/{stream}/{partition:05}-{first_offset:020}.{extension}")
 }
 
+/// The media type of a plain report.
+pub const XML_CONTENT_TYPE: &str = "application/xml";
+/// The media type of a gzip-compressed report: the object is the gzip file
+/// itself (not XML with a `Content-Encoding`), so what a client downloads is
+/// byte for byte what the manifest's SHA-256 covers, whatever its HTTP stack
+/// decodes on its own.
+pub const GZIP_CONTENT_TYPE: &str = "application/gzip";
+
+/// The media type a report is stored and served with, from its key.
+pub fn report_content_type(key: &str) -> &'static str {
+    if key.ends_with(".gz") {
+        GZIP_CONTENT_TYPE
+    } else {
+        XML_CONTENT_TYPE
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +219,15 @@ mod tests {
             "reports/orders/00003-00000000000000000042.xml"
         );
         assert!(report_key(&stream, 3, 9, false) < report_key(&stream, 3, 10, false));
-        assert!(report_key(&stream, 3, 9, true).ends_with(".xml.gz"));
+        let compressed = report_key(&stream, 3, 9, true);
+        assert_eq!(
+            compressed,
+            "reports/orders/00003-00000000000000000009.xml.gz"
+        );
+        assert_eq!(report_content_type(&compressed), GZIP_CONTENT_TYPE);
+        assert_eq!(
+            report_content_type(&report_key(&stream, 3, 9, false)),
+            XML_CONTENT_TYPE
+        );
     }
 }

@@ -103,8 +103,13 @@ pub struct Manifest {
     /// The cut marker's offset.
     pub last_offset: i64,
     pub records: u64,
+    /// Size of the stored object (compressed, for a `.xml.gz` report).
     pub bytes: u64,
+    /// SHA-256 of the stored object, as downloaded (lowercase hex).
     pub sha256: String,
+    /// Size of the XML before compression; only for gzip reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncompressed_bytes: Option<u64>,
     pub trigger: Trigger,
     /// Log timestamp of the first record (ms since the epoch), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]

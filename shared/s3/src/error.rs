@@ -1,6 +1,7 @@
 //! The one error type of the S3 crate.
 
-/// What can go wrong while writing a document to S3 or sweeping uploads.
+/// What can go wrong while writing a document to S3, sweeping uploads, or
+/// expiring old reports.
 #[derive(Debug, thiserror::Error)]
 pub enum WriterError {
     /// The caller tried to write more than it declared; nothing of the refused

@@ -12,13 +12,17 @@
 //!   bounded by part size x (in flight + 1), SHA-256 computed on the way;
 //! - [`S3Bucket::abort_pending_uploads`] is the take-over sweep: the new owner
 //!   of a partition aborts the uploads a dead owner left pending;
-//! - [`WriterCounters`] counts bytes, parts, retries and aborts.
+//! - [`WriterCounters`] counts bytes, parts, retries and aborts;
+//! - [`start_retention`] expires old reports and manifests: bucket lifecycle
+//!   rules where the server has them, else a periodic sweep
+//!   ([`S3Bucket::expire_older_than`]).
 
 mod calls;
 mod client;
 mod counters;
 mod error;
 mod policy;
+mod retention;
 mod sweep;
 mod writer;
 
@@ -28,6 +32,10 @@ pub use error::WriterError;
 pub use policy::{
     DEFAULT_MAX_IN_FLIGHT, MAXIMUM_OBJECT_SIZE, MAXIMUM_PART_COUNT, MINIMUM_PART_SIZE, RetryPolicy,
     UploadPolicy, part_size_for,
+};
+pub use retention::{
+    ExpiredObjects, LIFECYCLE_RULE_ID_PREFIX, LifecycleOutcome, RETENTION_PREFIXES, Retention,
+    spawn_retention, start_retention,
 };
 pub use sweep::{PendingUpload, S3Bucket};
 pub use writer::{MultipartWriter, WrittenObject};
