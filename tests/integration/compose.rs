@@ -342,6 +342,43 @@ fn compose_sets_only_configuration_keys_the_services_know() {
 }
 
 #[test]
+fn compose_worker_serves_metrics_and_its_healthcheck_asks_healthz() {
+    let services = services(&compose());
+    let worker = &services[WORKER];
+    let env = environment(worker);
+    let listen = env
+        .get("QUIRE_WORKER__METRICS_LISTEN")
+        .expect("the worker's metrics address is set");
+    assert!(
+        listen.starts_with("0.0.0.0:"),
+        "the worker serves its metrics on every interface in its container: {listen}"
+    );
+    let port = listen.rsplit(':').next().unwrap();
+    assert!(
+        port.parse::<u16>().is_ok_and(|port| port != 0),
+        "a fixed metrics port, for the healthcheck and Prometheus: {listen}"
+    );
+    let test: Vec<String> = worker
+        .get("healthcheck")
+        .and_then(|healthcheck| healthcheck.get("test"))
+        .and_then(Value::as_sequence)
+        .expect("the worker has a healthcheck test")
+        .iter()
+        .map(scalar)
+        .collect();
+    let command = test.join(" ");
+    // The runtime image has bash but no curl or wget.
+    assert_eq!(test.first().map(String::as_str), Some("CMD"), "{command}");
+    assert_eq!(test.get(1).map(String::as_str), Some("bash"), "{command}");
+    assert!(
+        command.contains(&format!("/dev/tcp/127.0.0.1/{port}"))
+            && command.contains("GET /healthz HTTP/1.1")
+            && command.contains(" 200 "),
+        "the healthcheck GETs /healthz on the metrics port {port}: {command}"
+    );
+}
+
+#[test]
 fn compose_init_creates_the_topics_and_the_bucket() {
     let services = services(&compose());
     let script: String = BTreeSet::from(["init".to_owned()])

@@ -1,17 +1,40 @@
-//! One open report document: rendered XML streamed into a multipart upload.
+//! One open report document: rendered XML streamed into a multipart upload,
+//! through a gzip encoder when the stream's definition asks for it.
+//!
+//! Gzip keeps "same key, same bytes": the header carries no time and no file
+//! name (mtime 0, OS "unknown"), and the compressor (flate2 on miniz_oxide,
+//! level [`GZIP_LEVEL`]) is deterministic, so the same records fed in the same
+//! order compress to the same bytes on every replay.
 
+use std::io::Write;
 use std::time::Instant;
 
+use flate2::Compression;
+use flate2::GzBuilder;
+use flate2::write::GzEncoder;
 use quire_messages::{CURRENT_VERSION, Definition, Manifest, ReportId, StreamName, Trigger};
 use quire_s3::{MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
 use quire_xml::{DocumentRenderer, RenderError, Summary};
 
 use crate::WorkerError;
 
+/// Deflate level of gzip reports: the fastest. XML of repeated element names
+/// compresses several times over even at level 1, and the worker's CPU is
+/// better spent rendering; a change of level changes the bytes of reports
+/// rendered again after an upgrade (their manifests follow).
+pub const GZIP_LEVEL: u32 = 1;
+
+/// Memory a gzip document holds besides the writer's, counted against the
+/// worker's memory budget: miniz_oxide's compressor (its 32 KiB window, hash
+/// chains, a 64 KiB code buffer and an 85 KiB output buffer, about 320 KiB),
+/// flate2's 32 KiB output buffer, and the two buffers compressed bytes pass
+/// through. An upper estimate; the compressor does not say.
+const GZIP_STATE_BYTES: u64 = 512 * 1024;
+
 /// A document being written. Its key is fixed when it opens
-/// (`reports/{stream}/{partition}-{first_offset}.xml`) and its bytes depend
-/// only on the log: records, the definition in force at its first record,
-/// and the marker that cuts it.
+/// (`reports/{stream}/{partition}-{first_offset}.xml`, `.xml.gz` under a gzip
+/// definition) and its bytes depend only on the log: records, the definition
+/// in force at its first record, and the marker that cuts it.
 pub struct OpenDocument {
     pub stream: StreamName,
     pub partition: i32,
@@ -24,10 +47,95 @@ pub struct OpenDocument {
     /// A rollover marker this worker published for it and has not read back yet.
     pub cut_requested: Option<Trigger>,
     renderer: DocumentRenderer,
+    /// Between the renderer and the writer: plain, or gzip.
+    encoding: Encoding,
     writer: MultipartWriter,
     /// One record's rendering, reused; appended to the writer only once the
     /// record rendered completely, so a record that fails leaves no trace.
     scratch: Vec<u8>,
+}
+
+/// What rendered bytes go through on their way to the writer.
+enum Encoding {
+    Plain,
+    Gzip(GzipStage),
+}
+
+/// A gzip encoder writing into a buffer that is handed to the writer as soon
+/// as the compressor emits anything (a deflate block at a time).
+struct GzipStage {
+    encoder: GzEncoder<Vec<u8>>,
+    /// XML bytes fed in so far.
+    uncompressed: u64,
+    /// The buffer handed out last, swapped back in so its capacity is reused.
+    spare: Vec<u8>,
+}
+
+impl GzipStage {
+    fn new() -> Self {
+        // No mtime and no file name: the header is the same on every replay.
+        let encoder = GzBuilder::new()
+            .mtime(0)
+            .operating_system(255)
+            .write(Vec::new(), Compression::new(GZIP_LEVEL));
+        GzipStage {
+            encoder,
+            uncompressed: 0,
+            spare: Vec::new(),
+        }
+    }
+
+    /// Feeds `xml` in; returns the compressed bytes ready to store (maybe none).
+    fn compress(&mut self, xml: &[u8]) -> std::io::Result<&[u8]> {
+        self.encoder.write_all(xml)?;
+        self.uncompressed += xml.len() as u64;
+        self.spare.clear();
+        // The encoder's sink is a plain Vec: swapping it out between writes
+        // only moves compressed bytes already emitted.
+        std::mem::swap(self.encoder.get_mut(), &mut self.spare);
+        Ok(&self.spare)
+    }
+
+    /// Ends the stream: the last compressed bytes and the gzip trailer.
+    fn finish(self) -> std::io::Result<(Vec<u8>, u64)> {
+        Ok((self.encoder.finish()?, self.uncompressed))
+    }
+}
+
+impl Encoding {
+    fn for_definition(definition: &Definition) -> Self {
+        if definition.gzip {
+            Encoding::Gzip(GzipStage::new())
+        } else {
+            Encoding::Plain
+        }
+    }
+}
+
+/// Appends rendered XML to the writer, through the encoding.
+async fn write_xml(
+    encoding: &mut Encoding,
+    writer: &mut MultipartWriter,
+    xml: &[u8],
+) -> Result<(), WorkerError> {
+    match encoding {
+        Encoding::Plain => writer.append(xml).await?,
+        Encoding::Gzip(stage) => {
+            let compressed = stage
+                .compress(xml)
+                .map_err(|error| compression_failed(writer.key(), &error))?;
+            if !compressed.is_empty() {
+                writer.append(compressed).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Compressing into memory does not fail in practice (the sink is a Vec);
+/// should it, the document is abandoned like one whose upload failed.
+fn compression_failed(key: &str, error: &std::io::Error) -> WorkerError {
+    WorkerError::S3(format!("gzip compression of {key} failed: {error}"))
 }
 
 impl OpenDocument {
@@ -41,10 +149,11 @@ impl OpenDocument {
     ) -> Result<Self, WorkerError> {
         let key = quire_messages::report_key(stream, partition, first_offset, definition.gzip);
         let renderer = DocumentRenderer::new(definition);
+        let mut encoding = Encoding::for_definition(definition);
         let mut writer = bucket.writer(key, policy)?;
         let mut scratch = Vec::with_capacity(4096);
         renderer.start(&mut scratch, stream.as_str(), partition, first_offset);
-        writer.append(&scratch).await?;
+        write_xml(&mut encoding, &mut writer, &scratch).await?;
         scratch.clear();
         Ok(OpenDocument {
             stream: stream.clone(),
@@ -55,6 +164,7 @@ impl OpenDocument {
             opened_at: Instant::now(),
             cut_requested: None,
             renderer,
+            encoding,
             writer,
             scratch,
         })
@@ -71,7 +181,7 @@ impl OpenDocument {
         if let Err(error) = self.renderer.record(&mut self.scratch, record) {
             return Ok(Err(error));
         }
-        self.writer.append(&self.scratch).await?;
+        write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         if self.records == 0 {
             self.first_record_time_ms = time_ms;
         }
@@ -79,14 +189,21 @@ impl OpenDocument {
         Ok(Ok(()))
     }
 
-    /// Bytes written so far.
+    /// Bytes of the stored object so far (compressed under gzip, less what
+    /// the compressor still holds): what the byte rollover bounds, as it
+    /// bounds the object's size.
     pub fn bytes(&self) -> u64 {
         self.writer.bytes_written()
     }
 
-    /// Bytes held in memory (buffer and parts in flight).
+    /// Bytes held in memory: the writer's buffer and parts in flight, and
+    /// the compressor's state under gzip.
     pub fn buffered_bytes(&self) -> u64 {
-        self.writer.buffered_bytes()
+        let compressor = match &self.encoding {
+            Encoding::Plain => 0,
+            Encoding::Gzip(_) => GZIP_STATE_BYTES,
+        };
+        self.writer.buffered_bytes() + compressor
     }
 
     /// Ends the document at the marker `report_id` (with its log time), stores
@@ -109,7 +226,17 @@ impl OpenDocument {
                 report_id: &report_id_text,
             },
         );
-        self.writer.append(&self.scratch).await?;
+        write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
+        let uncompressed_bytes = match self.encoding {
+            Encoding::Plain => None,
+            Encoding::Gzip(stage) => {
+                let (trailer, uncompressed) = stage
+                    .finish()
+                    .map_err(|error| compression_failed(self.writer.key(), &error))?;
+                self.writer.append(&trailer).await?;
+                Some(uncompressed)
+            }
+        };
         let WrittenObject {
             key,
             bytes,
@@ -127,6 +254,7 @@ impl OpenDocument {
             records: self.records,
             bytes,
             sha256: sha256_hex,
+            uncompressed_bytes,
             trigger,
             first_record_time_ms: self.first_record_time_ms,
             cut_time_ms,
@@ -145,23 +273,95 @@ impl OpenDocument {
     }
 }
 
+/// Writes the manifest through the same writer as documents, so it gets the
+/// same per-attempt timeouts, retries and counters (a single PutObject: a
+/// manifest is far below one part).
 async fn put_manifest(bucket: &S3Bucket, manifest: &Manifest) -> Result<(), WorkerError> {
     let body = serde_json::to_vec_pretty(manifest).expect("manifests serialise");
-    bucket
-        .client()
-        .put_object()
-        .bucket(bucket.name())
-        .key(manifest.report_id.manifest_key())
-        .content_type("application/json")
-        .body(body.into())
-        .send()
-        .await
-        .map_err(|error| {
-            WorkerError::S3(format!(
-                "writing manifest {}: {}",
-                manifest.report_id.manifest_key(),
-                quire_s3::aws_sdk_s3::error::DisplayErrorContext(&error)
-            ))
-        })?;
+    let key = manifest.report_id.manifest_key();
+    let policy = UploadPolicy::for_max_object_size(body.len() as u64);
+    let mut writer = bucket.writer(key, &policy)?;
+    writer.append(&body).await?;
+    writer.finish().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+
+    /// Feeds `pieces` through a gzip stage the way a document does; returns
+    /// the stored bytes.
+    fn gzip_document(pieces: &[&[u8]]) -> Vec<u8> {
+        let mut stage = GzipStage::new();
+        let mut stored = Vec::new();
+        for piece in pieces {
+            stored.extend_from_slice(stage.compress(piece).unwrap());
+        }
+        let (trailer, uncompressed) = stage.finish().unwrap();
+        stored.extend_from_slice(&trailer);
+        let expected: usize = pieces.iter().map(|piece| piece.len()).sum();
+        assert_eq!(uncompressed, expected as u64);
+        stored
+    }
+
+    fn sample_pieces() -> Vec<Vec<u8>> {
+        let mut pieces = vec![b"<?xml version=\"1.0\"?>\n<report>\n".to_vec()];
+        for number in 0..5000 {
+            pieces.push(
+                format!(
+                    "<record><id>{number}</id><name>item {}</name></record>\n",
+                    number * 7
+                )
+                .into_bytes(),
+            );
+        }
+        pieces.push(b"<summary records=\"5000\"/></report>\n".to_vec());
+        pieces
+    }
+
+    #[test]
+    fn a_gzip_document_gunzips_to_what_was_rendered() {
+        let pieces = sample_pieces();
+        let borrowed: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+        let stored = gzip_document(&borrowed);
+        let mut xml = Vec::new();
+        flate2::read::GzDecoder::new(stored.as_slice())
+            .read_to_end(&mut xml)
+            .unwrap();
+        assert_eq!(xml, pieces.concat());
+        assert!(
+            stored.len() * 3 < xml.len(),
+            "{} compressed bytes for {} of XML",
+            stored.len(),
+            xml.len()
+        );
+    }
+
+    #[test]
+    fn the_same_records_compress_to_the_same_bytes_with_a_header_that_holds_no_time_or_name() {
+        let pieces = sample_pieces();
+        let borrowed: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
+        let first = gzip_document(&borrowed);
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        let second = gzip_document(&borrowed);
+        assert_eq!(first, second, "a replay must store the same bytes");
+        // RFC 1952: magic, CM=8, FLG (no FNAME/FCOMMENT/FEXTRA), MTIME, XFL, OS.
+        assert_eq!(&first[..3], &[0x1f, 0x8b, 8]);
+        assert_eq!(first[3], 0, "no file name, comment or extra field");
+        assert_eq!(&first[4..8], &[0, 0, 0, 0], "no modification time");
+        assert_eq!(first[9], 255, "operating system unknown");
+    }
+
+    #[test]
+    fn an_empty_gzip_document_is_a_valid_gzip_file() {
+        let stored = gzip_document(&[]);
+        let mut xml = Vec::new();
+        flate2::read::GzDecoder::new(stored.as_slice())
+            .read_to_end(&mut xml)
+            .unwrap();
+        assert!(xml.is_empty());
+    }
 }

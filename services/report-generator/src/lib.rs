@@ -1,11 +1,21 @@
 //! quire's report generator: record arrays from Kafka into XML reports on S3,
 //! exactly once. See ARCHITECTURE.md for the loop and its invariants.
+//!
+//! - `worker.rs`: one session of the loop (its Kafka clients, its S3 handle);
+//! - `supervisor.rs`: runs sessions, rebuilding one after a Kafka or S3
+//!   failure, exiting on errors a restart cannot cure;
+//! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`.
 
 mod document;
 mod error;
+mod metrics;
+mod monitoring;
 mod partition;
+pub mod supervisor;
 mod watermarks;
 mod worker;
 
-pub use error::WorkerError;
+pub use error::{Recovery, WorkerError};
+pub use metrics::WorkerMetrics;
+pub use monitoring::{Monitor, SessionState, WorkerHealth};
 pub use worker::{Mode, RunSummary, Worker};

@@ -1,5 +1,7 @@
 //! `report-generator [--config FILE] [--drain]`: serve until SIGTERM, or
-//! drain everything queued and exit 0.
+//! drain everything queued and exit 0. Kafka and S3 failures restart the
+//! session (see `supervisor.rs`); the process exits non-zero only on errors
+//! a restart cannot cure.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
-use report_generator::{Mode, Worker};
+use report_generator::{Mode, Monitor, supervisor};
 
 #[derive(Parser)]
 #[command(about = "quire's report generator: record arrays from Kafka into XML reports on S3")]
@@ -35,8 +37,17 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_millis(settings.worker.shutdown_grace_ms),
     );
     let mode = if cli.drain { Mode::Drain } else { Mode::Serve };
-    let worker = Worker::build(&settings).await?;
-    let summary = worker.run(mode, stop).await?;
+    let monitor = Monitor::new(&settings.worker);
+    monitor.serve(&settings.worker.metrics_listen).await?;
+    // Report retention (s3.report_retention_days): a bucket lifecycle rule
+    // where the server has them, else a periodic sweep. It only logs errors.
+    let retention = quire_s3::start_retention(&settings.s3, Arc::clone(&stop)).await;
+    // Sessions until stopped or drained; Kafka and S3 failures rebuild the
+    // session, errors a restart cannot cure end here, non-zero.
+    let summary = supervisor::run(&settings, mode, &stop, &monitor).await;
+    // A drain ends without raising the stop flag.
+    retention.abort();
+    let summary = summary?;
     tracing::info!(
         arrays = summary.arrays,
         records = summary.records,

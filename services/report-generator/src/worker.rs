@@ -2,16 +2,19 @@
 //! open document of its stream, complete documents at their cut markers, then
 //! publish events, watermarks, this worker's own markers and the consumer
 //! offsets in ONE Kafka transaction, with the group metadata.
+//!
+//! A `Worker` is one session: its Kafka clients, its S3 handle and what it
+//! holds of its partitions. An error ends the session; the supervisor
+//! (`supervisor.rs`) decides whether to build a new one.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quire_config::{Settings, TopicNames, WorkerSettings};
 use quire_messages::{
-    CURRENT_VERSION, CutMarker, DeadLetter, Definition, HEADER_KIND, MessageKind, ReportEvent,
-    ReportEventKind, ReportId, StreamName, Trigger,
+    CURRENT_VERSION, CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind,
+    ReportEvent, ReportEventKind, ReportId, StreamName, Trigger,
 };
 use quire_queue::{
     Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, RebalanceEvent,
@@ -21,7 +24,15 @@ use quire_s3::{S3Bucket, UploadPolicy};
 
 use crate::WorkerError;
 use crate::document::OpenDocument;
+use crate::metrics::{ArrayCommitted, OpenDocuments};
+use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
+
+/// How long a session's shutdown may spend aborting open documents and
+/// closing its Kafka clients before it leaves the rest to the background:
+/// the next session's take-over sweep aborts any upload left pending, and
+/// its producer fences this one.
+const SHUTDOWN_STEP_LIMIT: Duration = Duration::from_secs(30);
 
 /// Serve until stopped, or drain what is queued and exit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +54,16 @@ pub struct RunSummary {
     pub dead_letters: u64,
 }
 
+impl RunSummary {
+    /// Adds what another session did.
+    pub fn add(&mut self, other: &RunSummary) {
+        self.arrays += other.arrays;
+        self.records += other.records;
+        self.reports += other.reports;
+        self.dead_letters += other.dead_letters;
+    }
+}
+
 /// Everything the per-message code needs besides the partition's state.
 struct Context {
     settings: WorkerSettings,
@@ -55,23 +76,28 @@ struct Context {
 #[derive(Default)]
 struct Outbox {
     messages: Vec<OutMessage>,
-    reports: u64,
+    /// The trigger of each report completed in this array.
+    reports: Vec<Trigger>,
     records: u64,
     dead_letters: u64,
 }
 
+/// One session of the worker.
 pub struct Worker {
     context: Context,
     kafka: quire_config::KafkaSettings,
     consumer: ArrayConsumer,
     producer: TransactionalProducer,
     partitions: BTreeMap<i32, PartitionState>,
+    monitor: Monitor,
+    summary: RunSummary,
 }
 
 impl Worker {
     /// Checks the topics, connects the transactional producer (fencing an
-    /// older instance of this replica) and joins the group.
-    pub async fn build(settings: &Settings) -> Result<Self, WorkerError> {
+    /// older instance of this replica, or this process's previous session)
+    /// and joins the group.
+    pub async fn build(settings: &Settings, monitor: &Monitor) -> Result<Self, WorkerError> {
         let worker = &settings.worker;
         if worker.replica_id.is_empty() {
             return Err(WorkerError::Config(
@@ -85,11 +111,14 @@ impl Worker {
         let mut options = ConsumerOptions::new(&worker.group_id, &topics.records);
         options.group_instance_id = Some(worker.replica_id.clone());
         options.cooperative = true;
+        options.statistics_interval = Some(Duration::from_millis(worker.statistics_interval_ms));
+        options.session_timeout = Some(Duration::from_millis(worker.session_timeout_ms));
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
         let bucket = S3Bucket::new(
             quire_s3::build_client(&settings.s3).await,
             &settings.s3.bucket,
-        );
+        )
+        .with_counters(std::sync::Arc::clone(monitor.metrics.s3_counters()));
         // Records keep arriving between a rollover decision and its marker
         // landing in the log, so the declared maximum leaves room for them.
         let declared_maximum = worker
@@ -116,26 +145,31 @@ impl Worker {
             consumer,
             producer,
             partitions: BTreeMap::new(),
+            monitor: monitor.clone(),
+            summary: RunSummary::default(),
         })
+    }
+
+    /// What this session did so far (committed arrays only).
+    pub fn summary(&self) -> &RunSummary {
+        &self.summary
     }
 
     /// Runs the loop. In serve mode it returns once `stop` is raised; in
     /// drain mode once everything queued before it was caught up is reported
-    /// (or `stop` is raised).
-    pub async fn run(
-        mut self,
-        mode: Mode,
-        stop: Arc<AtomicBool>,
-    ) -> Result<RunSummary, WorkerError> {
+    /// (or `stop` is raised). On an error the session is over: call
+    /// [`shut_down`](Self::shut_down) either way.
+    pub async fn run(&mut self, mode: Mode, stop: &AtomicBool) -> Result<(), WorkerError> {
         let settings = self.context.settings.clone();
         let max_wait = Duration::from_millis(settings.max_wait_ms);
-        let mut summary = RunSummary::default();
         let mut draining = false;
         while !stop.load(Ordering::Acquire) {
+            self.monitor.health.turned();
             let array = self
                 .consumer
                 .next_array(settings.max_records, max_wait)
                 .await?;
+            self.monitor.metrics.array_read(array.len(), array.waited);
             self.handle_rebalances(&array.rebalances).await?;
             let mut outbox = Outbox::default();
             for message in &array.messages {
@@ -150,19 +184,95 @@ impl Worker {
             if draining {
                 self.cut_everything_open(&mut outbox);
             }
-            summary.records += outbox.records;
-            summary.reports += outbox.reports;
-            summary.dead_letters += outbox.dead_letters;
-            self.commit(&array, outbox).await?;
-            summary.arrays += 1;
+            let records = outbox.records;
+            let dead_letters = outbox.dead_letters;
+            // The failpoint in commit looks at the reports: keep them there.
+            let reports = outbox.reports.clone();
+            let transaction = self.commit(&array, outbox).await?;
+            self.summary.records += records;
+            self.summary.reports += reports.len() as u64;
+            self.summary.dead_letters += dead_letters;
+            self.summary.arrays += 1;
+            self.monitor.metrics.array_committed(&ArrayCommitted {
+                records,
+                dead_letters,
+                reports: &reports,
+                transaction,
+            });
+            self.report_state();
             if draining && array.caught_up && self.nothing_open() {
-                tracing::info!(?summary, "drained: everything queued is reported");
-                return Ok(summary);
+                tracing::info!(summary = ?self.summary, "drained: everything queued is reported");
+                return Ok(());
             }
         }
-        self.abort_open_documents().await;
-        tracing::info!(?summary, "stopped");
-        Ok(summary)
+        tracing::info!(summary = ?self.summary, "stopped");
+        Ok(())
+    }
+
+    /// The gauges and the readiness state, once per array: a few atomics and
+    /// one walk over the open documents, no call to Kafka or S3.
+    fn report_state(&self) {
+        let mut open = OpenDocuments::default();
+        let mut oldest: Option<Instant> = None;
+        for document in self
+            .partitions
+            .values()
+            .flat_map(|state| state.open.values())
+        {
+            open.count += 1;
+            open.buffered_bytes += document.buffered_bytes();
+            oldest = Some(oldest.map_or(document.opened_at, |at| at.min(document.opened_at)));
+        }
+        open.oldest_age = oldest.map(|at| at.elapsed());
+        let metrics = &self.monitor.metrics;
+        metrics.open_documents(open);
+        let assigned = self.consumer.assignment().len();
+        metrics.partitions(assigned, &self.consumer.progress());
+        self.monitor
+            .health
+            .set_assignment(assigned, self.consumer.brokers_up());
+    }
+
+    /// Ends the session: aborts the open documents (the next owner, or the
+    /// next session, renders them again from the last committed offsets) and
+    /// closes the Kafka clients on the blocking pool, each step bounded so a
+    /// broker or S3 server that is away cannot hold the worker.
+    pub async fn shut_down(mut self) {
+        let open: Vec<OpenDocument> = std::mem::take(&mut self.partitions)
+            .into_values()
+            .flat_map(|state| state.open.into_values())
+            .collect();
+        if !open.is_empty() {
+            let count = open.len();
+            let aborts = futures::future::join_all(open.into_iter().map(OpenDocument::abort));
+            if tokio::time::timeout(SHUTDOWN_STEP_LIMIT, aborts)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    documents = count,
+                    "aborting open documents took too long; the take-over sweep will finish it"
+                );
+            }
+        }
+        self.monitor.metrics.no_partitions();
+        let Worker {
+            consumer, producer, ..
+        } = self;
+        // Closing a consumer waits for the group; dropping a producer purges
+        // and flushes: both block, so neither runs on an async worker thread.
+        let close = tokio::task::spawn_blocking(move || {
+            drop(consumer);
+            drop(producer);
+        });
+        match tokio::time::timeout(SHUTDOWN_STEP_LIMIT, close).await {
+            Ok(Ok(())) => tracing::debug!("kafka clients closed"),
+            Ok(Err(error)) => tracing::warn!(error = %error, "closing the kafka clients failed"),
+            Err(_) => tracing::warn!(
+                limit_ms = SHUTDOWN_STEP_LIMIT.as_millis() as u64,
+                "closing the kafka clients takes too long; left to finish in the background"
+            ),
+        }
     }
 
     fn nothing_open(&self) -> bool {
@@ -172,8 +282,12 @@ impl Worker {
     async fn handle_rebalances(&mut self, events: &[RebalanceEvent]) -> Result<(), WorkerError> {
         for event in events {
             match event {
-                RebalanceEvent::Assigned(partitions) => self.take_partitions(partitions).await?,
+                RebalanceEvent::Assigned(partitions) => {
+                    self.monitor.metrics.rebalanced(true);
+                    self.take_partitions(partitions).await?;
+                }
                 RebalanceEvent::Revoked { partitions, lost } => {
+                    self.monitor.metrics.rebalanced(false);
                     for partition in partitions {
                         if let Some(state) = self.partitions.remove(partition) {
                             tracing::info!(
@@ -307,7 +421,12 @@ impl Worker {
 
     /// ONE transaction: events, dead letters, markers, watermarks and the
     /// offsets (never past an open document), with the group metadata.
-    async fn commit(&mut self, array: &Array, mut outbox: Outbox) -> Result<(), WorkerError> {
+    /// Returns how long the transaction took, if there was one.
+    async fn commit(
+        &mut self,
+        array: &Array,
+        mut outbox: Outbox,
+    ) -> Result<Option<Duration>, WorkerError> {
         let mut offsets = BTreeMap::new();
         for (&partition, state) in &mut self.partitions {
             let Some(safe) = state.safe_offset() else {
@@ -328,18 +447,20 @@ impl Worker {
             }
         }
         if offsets.is_empty() && outbox.messages.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        if outbox.reports > 0 && crash_before_commit_requested() {
+        if !outbox.reports.is_empty() && crash_before_commit_requested() {
             // The end-to-end tests' failpoint: a crash after objects were
             // completed in S3 and before the transaction that announces them.
             tracing::error!("failpoint crash-before-commit: aborting the process");
             std::process::abort();
         }
+        let started = Instant::now();
         let outcome = self
             .consumer
             .commit_in_transaction(array, Some(offsets), &self.producer, outbox.messages)
             .await?;
+        let took = started.elapsed();
         for (partition, offset) in &outcome.commit.committed {
             if let Some(state) = self.partitions.get_mut(partition) {
                 state.committed = Some(*offset);
@@ -350,19 +471,11 @@ impl Worker {
         }
         tracing::debug!(
             records = outbox.records,
-            reports = outbox.reports,
+            reports = outbox.reports.len(),
             offsets = ?outcome.commit.committed,
             "array committed"
         );
-        Ok(())
-    }
-
-    async fn abort_open_documents(&mut self) {
-        for (_, state) in std::mem::take(&mut self.partitions) {
-            for (_, document) in state.open {
-                document.abort().await;
-            }
-        }
+        Ok(Some(took))
     }
 }
 
@@ -435,6 +548,10 @@ async fn process_message(
         MessageKind::Record => {
             if state.already_reported(&stream, message.offset) {
                 return Ok(());
+            }
+            if let Some(reason) = newer_record_version(message) {
+                // Refused by name, never misread as the version we know.
+                return dead_letter(context, message, &reason, outbox);
             }
             let record: serde_json::Value = match serde_json::from_slice(payload) {
                 Ok(record) => record,
@@ -533,7 +650,7 @@ async fn process_message(
                 Some(stream.as_str().as_bytes().to_vec()),
                 quire_messages::encode(&event),
             ));
-            outbox.reports += 1;
+            outbox.reports.push(marker.trigger);
             state.report_completed(&stream, message.offset);
         }
     }
@@ -558,6 +675,26 @@ async fn open_document(
         &definition,
     )
     .await
+}
+
+/// Why a record's `quire-v` header is one this release cannot read (newer
+/// than ours, or not a number); `None` for ours, older ones and no header
+/// (records written before the header existed).
+fn newer_record_version(message: &InMessage) -> Option<String> {
+    let header = message.header(HEADER_VERSION)?;
+    match std::str::from_utf8(header)
+        .ok()
+        .and_then(|text| text.trim().parse::<u32>().ok())
+    {
+        Some(version) if version <= CURRENT_VERSION => None,
+        Some(version) => Some(format!(
+            "record has version {version}, newer than this release reads ({CURRENT_VERSION}); upgrade the report generator"
+        )),
+        None => Some(format!(
+            "record has an unreadable {HEADER_VERSION} header: {:?}",
+            String::from_utf8_lossy(header)
+        )),
+    }
 }
 
 /// `QUIRE_WORKER_FAILPOINT=crash-before-commit`: for the crash tests only.
@@ -621,4 +758,38 @@ fn dead_letter(
     ));
     outbox.dead_letters += 1;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record_with_version(version: Option<&str>) -> InMessage {
+        InMessage {
+            topic: "quire.records".into(),
+            partition: 0,
+            offset: 7,
+            key: Some(b"orders".to_vec()),
+            payload: Some(br#"{"a":1}"#.to_vec()),
+            headers: version
+                .map(|version| (HEADER_VERSION.to_owned(), version.as_bytes().to_vec()))
+                .into_iter()
+                .collect(),
+            timestamp_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_record_of_a_newer_version_is_refused_by_name() {
+        assert_eq!(newer_record_version(&record_with_version(None)), None);
+        assert_eq!(
+            newer_record_version(&record_with_version(Some(&CURRENT_VERSION.to_string()))),
+            None
+        );
+        let newer = (CURRENT_VERSION + 1).to_string();
+        let reason = newer_record_version(&record_with_version(Some(&newer))).unwrap();
+        assert!(reason.contains(&format!("version {newer}")), "{reason}");
+        let reason = newer_record_version(&record_with_version(Some("two"))).unwrap();
+        assert!(reason.contains("unreadable quire-v header"), "{reason}");
+    }
 }

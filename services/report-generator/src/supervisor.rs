@@ -1,0 +1,230 @@
+//! Runs worker sessions until the work is done, rebuilding after failures.
+//!
+//! A Kafka error the loop cannot handle (a failed or fenced transaction, a
+//! broker away for too long, a watermark partition that never became
+//! stable) or an S3 failure after the writer's retries ends the session.
+//! The supervisor then aborts the session's open documents, closes its
+//! clients, waits (`worker.restart_backoff_initial_ms`, doubling up to
+//! `worker.restart_backoff_max_ms`, cut short by the stop flag) and builds a
+//! new session. The new producer has the same transactional id, so it fences
+//! the old epoch and aborts any transaction left open; the new consumer
+//! rejoins under the same static member id and starts at the committed
+//! offsets; partitions are taken over from their watermarks as usual. So
+//! everything after the last committed transaction is read and rendered
+//! again: exactly once holds.
+//!
+//! Errors a restart cannot cure ([`Recovery::Exit`]) end the run with the
+//! error, and the process exits non-zero.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use quire_config::{Settings, WorkerSettings};
+
+use crate::error::Recovery;
+use crate::monitoring::{Monitor, SessionState};
+use crate::{Mode, RunSummary, Worker, WorkerError};
+
+/// How often a wait (backoff, build) looks at the stop flag.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// Runs sessions until serve mode is stopped, drain mode has drained, or an
+/// error that a restart cannot cure. Returns what every session did together.
+pub async fn run(
+    settings: &Settings,
+    mode: Mode,
+    stop: &AtomicBool,
+    monitor: &Monitor,
+) -> Result<RunSummary, WorkerError> {
+    let mut total = RunSummary::default();
+    let mut backoff = RestartBackoff::new(&settings.worker);
+    let mut restarts: u64 = 0;
+    loop {
+        monitor.health.set_state(SessionState::Starting);
+        let started = Instant::now();
+        let outcome = tokio::select! {
+            built = Worker::build(settings, monitor) => match built {
+                Ok(mut worker) => {
+                    monitor.health.set_state(SessionState::Running);
+                    if restarts > 0 {
+                        tracing::info!(restarts, "worker session rebuilt; resuming from the last committed offsets");
+                    }
+                    let result = worker.run(mode, stop).await;
+                    total.add(worker.summary());
+                    monitor.health.set_state(SessionState::Stopping);
+                    worker.shut_down().await;
+                    result
+                }
+                Err(error) => Err(error),
+            },
+            () = stopped(stop) => {
+                tracing::info!("stop requested while connecting");
+                Ok(())
+            }
+        };
+        let error = match outcome {
+            Ok(()) => {
+                monitor.health.set_state(SessionState::Stopping);
+                return Ok(total);
+            }
+            Err(error) => error,
+        };
+        if error.recovery() == Recovery::Exit {
+            tracing::error!(
+                error = %error,
+                cause = error.cause(),
+                "worker cannot continue: restarting would meet the same error"
+            );
+            monitor.health.set_state(SessionState::Stopping);
+            return Err(error);
+        }
+        if stop.load(Ordering::Acquire) {
+            // SIGTERM arrived while the session failed: nothing to resume.
+            tracing::warn!(error = %error, cause = error.cause(), "worker session failed while stopping");
+            return Ok(total);
+        }
+        restarts += 1;
+        monitor.metrics.restarted();
+        monitor.health.set_state(SessionState::Restarting);
+        let delay = backoff.next_delay(started.elapsed());
+        tracing::warn!(
+            error = %error,
+            cause = error.cause(),
+            hint = hint(&error),
+            restarts,
+            backoff_ms = delay.as_millis() as u64,
+            "worker session failed; restarting after a backoff"
+        );
+        if !wait_unless_stopped(delay, stop, monitor).await {
+            tracing::info!("stop requested during the restart backoff");
+            return Ok(total);
+        }
+    }
+}
+
+/// Something for the operator to check, for the errors that have one.
+fn hint(error: &WorkerError) -> &'static str {
+    match error.cause() {
+        "kafka-fenced" => {
+            "the producer was fenced: by this worker's own timeout, or by another process with the same worker.replica_id"
+        }
+        "watermarks-unstable" => {
+            "a transaction on the watermark partition stays open: a stuck worker or a hanging transaction"
+        }
+        "s3" => "the S3 server failed after the writer's retries; is it reachable?",
+        _ => "",
+    }
+}
+
+/// Resolves once `stop` is raised.
+async fn stopped(stop: &AtomicBool) {
+    while !stop.load(Ordering::Acquire) {
+        tokio::time::sleep(STOP_POLL).await;
+    }
+}
+
+/// Sleeps `delay` in short steps, keeping `/healthz` alive; false when
+/// `stop` was raised meanwhile.
+async fn wait_unless_stopped(delay: Duration, stop: &AtomicBool, monitor: &Monitor) -> bool {
+    let deadline = Instant::now() + delay;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return false;
+        }
+        monitor.health.turned();
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return true;
+        }
+        tokio::time::sleep(remaining.min(STOP_POLL)).await;
+    }
+}
+
+/// Exponential backoff between sessions: initial, doubling, up to the
+/// maximum; back to the initial delay after a session that lasted longer
+/// than the maximum (it was working, this is a new failure).
+struct RestartBackoff {
+    builder: ExponentialBuilder,
+    maximum: Duration,
+    delays: ExponentialBackoff,
+}
+
+impl RestartBackoff {
+    fn new(settings: &WorkerSettings) -> Self {
+        let maximum = Duration::from_millis(settings.restart_backoff_max_ms.max(1));
+        let initial =
+            Duration::from_millis(settings.restart_backoff_initial_ms.max(1)).min(maximum);
+        let builder = ExponentialBuilder::default()
+            .with_min_delay(initial)
+            .with_max_delay(maximum)
+            .with_factor(2.0)
+            .without_max_times();
+        RestartBackoff {
+            builder,
+            maximum,
+            delays: builder.build(),
+        }
+    }
+
+    /// The wait before the next session, given how long the failed one ran.
+    fn next_delay(&mut self, session_lasted: Duration) -> Duration {
+        if session_lasted > self.maximum {
+            self.delays = self.builder.build();
+        }
+        self.delays.next().unwrap_or(self.maximum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(initial_ms: u64, max_ms: u64) -> WorkerSettings {
+        let mut settings = quire_config::load(None).expect("defaults load").worker;
+        settings.restart_backoff_initial_ms = initial_ms;
+        settings.restart_backoff_max_ms = max_ms;
+        settings
+    }
+
+    #[test]
+    fn the_backoff_doubles_up_to_its_maximum() {
+        let mut backoff = RestartBackoff::new(&settings(1000, 30_000));
+        let quick = Duration::from_millis(10);
+        let delays: Vec<u64> = (0..8)
+            .map(|_| backoff.next_delay(quick).as_millis() as u64)
+            .collect();
+        assert_eq!(
+            delays,
+            [1000, 2000, 4000, 8000, 16_000, 30_000, 30_000, 30_000]
+        );
+    }
+
+    #[test]
+    fn a_session_that_worked_for_a_while_resets_the_backoff() {
+        let mut backoff = RestartBackoff::new(&settings(1000, 30_000));
+        let quick = Duration::from_millis(10);
+        backoff.next_delay(quick);
+        backoff.next_delay(quick);
+        assert_eq!(backoff.next_delay(quick), Duration::from_secs(4));
+        assert_eq!(
+            backoff.next_delay(Duration::from_secs(31)),
+            Duration::from_secs(1)
+        );
+    }
+
+    #[test]
+    fn an_initial_delay_above_the_maximum_is_capped() {
+        let mut backoff = RestartBackoff::new(&settings(60_000, 5_000));
+        assert_eq!(backoff.next_delay(Duration::ZERO), Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_stop_cuts_the_backoff_short() {
+        let monitor = Monitor::new(&settings(1000, 30_000));
+        let stop = AtomicBool::new(true);
+        assert!(!wait_unless_stopped(Duration::from_secs(30), &stop, &monitor).await);
+        let stop = AtomicBool::new(false);
+        assert!(wait_unless_stopped(Duration::from_millis(1), &stop, &monitor).await);
+    }
+}
