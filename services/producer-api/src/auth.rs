@@ -63,12 +63,12 @@ impl BearerTokens {
     }
 }
 
-fn digest(token: &[u8]) -> TokenDigest {
+pub(crate) fn digest(token: &[u8]) -> TokenDigest {
     Sha256::digest(token).into()
 }
 
 /// The token of `Bearer <token>` (the scheme is case-insensitive).
-fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+pub(crate) fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     const SCHEME: &[u8] = b"bearer ";
     if value.len() <= SCHEME.len() || !value[..SCHEME.len()].eq_ignore_ascii_case(SCHEME) {
         return None;

@@ -38,6 +38,11 @@ pub enum ApiError {
     #[error("the request body could not be read: {0}")]
     BodyUnreadable(String),
 
+    #[error(
+        "the request body did not arrive whole within {limit_ms} ms (api.body_read_timeout_ms); nothing was published"
+    )]
+    BodyTimeout { limit_ms: u64 },
+
     #[error("the request body is not valid JSON: {message} (line {line}, column {column})")]
     InvalidJson {
         message: String,
@@ -134,6 +139,29 @@ pub enum ApiError {
     )]
     ReportContentGone { id: String, key: String },
 
+    #[error(
+        "invalid Idempotency-Key header: {0}; a key is 1 to 255 visible ASCII characters, e.g. a UUID"
+    )]
+    InvalidIdempotencyKey(String),
+
+    #[error(
+        "this Idempotency-Key was already used for a different request (another body, method or path); use a new key for a new request"
+    )]
+    IdempotencyKeyReused,
+
+    #[error(
+        "the first request with this Idempotency-Key is still being handled; retry after it is answered to get its answer"
+    )]
+    IdempotencyKeyInProgress,
+
+    #[error(
+        "the API holds as many request bytes as it may (api.max_in_flight_bytes = {limit}); nothing was published; retry after Retry-After seconds"
+    )]
+    TooBusy { limit: usize },
+
+    #[error("kafka is not reachable ({0}); nothing was published; retry after Retry-After seconds")]
+    KafkaUnavailable(String),
+
     #[error("{0}")]
     Publish(#[from] QueueError),
 
@@ -175,13 +203,18 @@ impl ApiError {
             | ApiError::InvalidJson { .. }
             | ApiError::InvalidNdjsonLine { .. }
             | ApiError::NotAnArray
+            | ApiError::InvalidIdempotencyKey(_)
             | ApiError::Storage(StorageError::BadContinuation) => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::RouteNotFound { .. }
             | ApiError::ReportNotFound { .. }
             | ApiError::DefinitionNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::ReportPending { .. } => StatusCode::CONFLICT,
+            ApiError::ReportPending { .. } | ApiError::IdempotencyKeyInProgress => {
+                StatusCode::CONFLICT
+            }
+            ApiError::TooBusy { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::ReportContentGone { .. } => StatusCode::GONE,
             ApiError::BodyTooLarge { .. }
             | ApiError::TooManyRecords { .. }
@@ -190,13 +223,18 @@ impl ApiError {
             ApiError::NotAnObject { .. }
             | ApiError::InvalidRecord { .. }
             | ApiError::ForbiddenCharacter { .. }
-            | ApiError::InvalidDefinition(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            | ApiError::InvalidDefinition(_)
+            | ApiError::IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            // Not 503: the array may be committed, and clients retry a 503.
             ApiError::Publish(
-                QueueError::TopicMismatch(_) | QueueError::ProtectedProperty { .. },
+                QueueError::TopicMismatch(_)
+                | QueueError::ProtectedProperty { .. }
+                | QueueError::CommitOutcomeUnknown(_),
             )
             | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Publish(_)
             | ApiError::Log(_)
+            | ApiError::KafkaUnavailable(_)
             | ApiError::Storage(_)
             | ApiError::DefinitionCopyFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -210,6 +248,7 @@ impl ApiError {
             ApiError::InvalidPath(_) => "invalid_path",
             ApiError::InvalidQuery(_) => "invalid_query",
             ApiError::BodyUnreadable(_) => "body_unreadable",
+            ApiError::BodyTimeout { .. } => "body_timeout",
             ApiError::InvalidJson { .. } | ApiError::InvalidNdjsonLine { .. } => "invalid_json",
             ApiError::NotAnArray => "not_an_array",
             ApiError::InvalidDefinition(_) => "invalid_definition",
@@ -227,7 +266,13 @@ impl ApiError {
             ApiError::DefinitionNotFound { .. } => "definition_not_found",
             ApiError::ReportPending { .. } => "report_pending",
             ApiError::ReportContentGone { .. } => "report_content_gone",
+            ApiError::InvalidIdempotencyKey(_) => "invalid_idempotency_key",
+            ApiError::IdempotencyKeyReused => "idempotency_key_reused",
+            ApiError::IdempotencyKeyInProgress => "idempotency_key_in_progress",
+            ApiError::TooBusy { .. } => "too_busy",
+            ApiError::KafkaUnavailable(_) => "kafka_unavailable",
             ApiError::Publish(QueueError::ProducerFatal(_)) => "producer_unavailable",
+            ApiError::Publish(QueueError::CommitOutcomeUnknown(_)) => "publish_outcome_unknown",
             ApiError::Publish(QueueError::EnqueuerStopped) => "shutting_down",
             ApiError::Publish(_) => "publish_failed",
             ApiError::Log(LogError::NotYetStable { .. }) => "report_not_yet_readable",
@@ -246,8 +291,11 @@ impl ApiError {
             ApiError::InvalidNdjsonLine { index, line, .. } => {
                 json!({"index": index, "line": line})
             }
-            ApiError::BodyTooLarge { limit } => json!({"limit": limit}),
+            ApiError::BodyTooLarge { limit } | ApiError::TooBusy { limit } => {
+                json!({"limit": limit})
+            }
             ApiError::TooManyRecords { count, limit } => json!({"count": count, "limit": limit}),
+            ApiError::BodyTimeout { limit_ms } => json!({"limit_ms": limit_ms}),
             ApiError::RecordTooLarge {
                 index,
                 bytes,
@@ -305,7 +353,12 @@ impl IntoResponse for ApiError {
                 HeaderValue::from_static("Bearer realm=\"quire\""),
             );
         }
-        if status == StatusCode::SERVICE_UNAVAILABLE {
+        // Every answer that published nothing and may succeed later says when
+        // to try again.
+        if status == StatusCode::SERVICE_UNAVAILABLE
+            || status == StatusCode::TOO_MANY_REQUESTS
+            || matches!(self, ApiError::IdempotencyKeyInProgress)
+        {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response.extensions_mut().insert(ErrorCode(self.code()));
@@ -436,11 +489,52 @@ mod tests {
                 "producer_unavailable",
             ),
             (ApiError::Internal("x".into()), 500, "internal"),
+            (
+                ApiError::InvalidIdempotencyKey("x".into()),
+                400,
+                "invalid_idempotency_key",
+            ),
+            (
+                ApiError::IdempotencyKeyReused,
+                422,
+                "idempotency_key_reused",
+            ),
+            (
+                ApiError::IdempotencyKeyInProgress,
+                409,
+                "idempotency_key_in_progress",
+            ),
+            (ApiError::TooBusy { limit: 1 }, 429, "too_busy"),
+            (
+                ApiError::KafkaUnavailable("down".into()),
+                503,
+                "kafka_unavailable",
+            ),
+            (
+                ApiError::Publish(QueueError::CommitOutcomeUnknown(KafkaError::Canceled)),
+                500,
+                "publish_outcome_unknown",
+            ),
         ];
         for (error, status, code) in cases {
             assert_eq!(error.status().as_u16(), status, "{error:?}");
             assert_eq!(error.code(), code, "{error:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn answers_that_published_nothing_say_when_to_retry() {
+        for error in [
+            ApiError::TooBusy { limit: 1 },
+            ApiError::KafkaUnavailable("down".into()),
+            ApiError::IdempotencyKeyInProgress,
+        ] {
+            let response = error.into_response();
+            assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+        }
+        let unknown = ApiError::Publish(QueueError::CommitOutcomeUnknown(KafkaError::Canceled))
+            .into_response();
+        assert!(unknown.headers().get(header::RETRY_AFTER).is_none());
     }
 
     #[tokio::test]

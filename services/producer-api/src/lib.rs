@@ -5,13 +5,20 @@
 //! [`Application::build`] binds the listener first (port 0 picks a free
 //! one), checks the topics, connects the producers and returns an
 //! application that [`Application::run_until_stopped`] serves until SIGTERM
-//! or ctrl-c. Routes are listed in [`startup::router`]; errors, and their
-//! HTTP status codes, in [`errors::ApiError`].
+//! or ctrl-c. Routes are listed in [`routes::ROUTES`] (and described by
+//! `openapi.yaml`, served at `/openapi.yaml` and `/openapi.json`); errors,
+//! and their HTTP status codes, in [`errors::ApiError`]. What runs before a
+//! publishing route's handler (in-flight bytes, `Idempotency-Key`, the Kafka
+//! gate) is in [`admission`].
 
+pub mod admission;
 pub mod auth;
 pub mod errors;
+pub mod idempotency;
+pub mod kafka_health;
 pub mod log_reader;
 pub mod metrics;
+pub mod openapi;
 pub mod publish;
 pub mod routes;
 pub mod startup;

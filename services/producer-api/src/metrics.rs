@@ -47,6 +47,17 @@ pub struct Metrics {
     enqueue_seconds: Histogram,
     cuts: Counter,
     definitions: Counter,
+    in_flight_bytes: Gauge,
+    idempotent_replays: Counter,
+    kafka_available: Gauge,
+    transaction_seconds: HistogramFamily<OutcomeLabels>,
+    producers_recreated: Counter,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    /// `committed`, `aborted` or `unknown`.
+    outcome: &'static str,
 }
 
 fn latency_histogram() -> Histogram {
@@ -114,7 +125,44 @@ impl Metrics {
             "Definition changes published",
             definitions.clone(),
         );
+        let in_flight_bytes = Gauge::default();
+        registry.register(
+            "in_flight_bytes",
+            "Bytes of request bodies held (being read, validated or waiting for their transaction), bounded by api.max_in_flight_bytes",
+            in_flight_bytes.clone(),
+        );
+        let idempotent_replays = Counter::default();
+        registry.register(
+            "idempotent_replays",
+            "Requests answered from the Idempotency-Key store (nothing published again)",
+            idempotent_replays.clone(),
+        );
+        let kafka_available = Gauge::default();
+        kafka_available.set(1);
+        registry.register(
+            "kafka_available",
+            "1 while the Kafka check answers, 0 while publishing requests are refused with 503",
+            kafka_available.clone(),
+        );
+        let transaction_seconds: HistogramFamily<OutcomeLabels> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "transaction_duration_seconds",
+            "Time of one group-commit Kafka transaction (begin to commit or abort), by outcome",
+            transaction_seconds.clone(),
+        );
+        let producers_recreated = Counter::default();
+        registry.register(
+            "producers_recreated",
+            "Transactional producers recreated after they became unusable",
+            producers_recreated.clone(),
+        );
         Metrics {
+            in_flight_bytes,
+            idempotent_replays,
+            kafka_available,
+            transaction_seconds,
+            producers_recreated,
             registry,
             requests,
             request_seconds,
@@ -142,6 +190,30 @@ impl Metrics {
 
     pub fn definition_published(&self) {
         self.definitions.inc();
+    }
+
+    /// The gauge the in-flight byte limit keeps up to date.
+    pub fn in_flight_bytes_gauge(&self) -> Gauge {
+        self.in_flight_bytes.clone()
+    }
+
+    pub fn idempotent_replay(&self) {
+        self.idempotent_replays.inc();
+    }
+
+    pub fn set_kafka_available(&self, available: bool) {
+        self.kafka_available.set(i64::from(available));
+    }
+
+    /// One transaction ended: `committed`, `aborted` or `unknown`.
+    pub fn transaction_ended(&self, outcome: &'static str, elapsed: Duration) {
+        self.transaction_seconds
+            .get_or_create(&OutcomeLabels { outcome })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn producer_recreated(&self) {
+        self.producers_recreated.inc();
     }
 
     /// The OpenMetrics text exposition.
@@ -270,6 +342,8 @@ mod tests {
             Some("forbidden_character"),
         );
         metrics.array_accepted(250, Duration::from_millis(2));
+        metrics.idempotent_replay();
+        metrics.transaction_ended("committed", Duration::from_millis(4));
         let text = metrics.encode();
         assert!(
             text.contains(
@@ -289,6 +363,16 @@ mod tests {
             text.contains("quire_api_http_request_duration_seconds_bucket"),
             "{text}"
         );
+        assert!(
+            text.contains("quire_api_idempotent_replays_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"quire_api_transaction_duration_seconds_count{outcome="committed"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("quire_api_kafka_available 1"), "{text}");
+        assert!(text.contains("quire_api_in_flight_bytes 0"), "{text}");
         assert!(text.ends_with("# EOF\n"));
     }
 }

@@ -7,25 +7,49 @@
 //! collapse to one transaction round trip per request.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use quire_config::{ApiSettings, KafkaSettings};
 use quire_messages::{CURRENT_VERSION, HEADER_KIND, HEADER_VERSION, MessageKind, StreamName};
 use quire_queue::{
-    ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, QueueError, TransactionalProducer,
+    ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, QueueError, TransactionObserver,
+    TransactionalProducer,
 };
 use serde_json::value::RawValue;
 
+use crate::metrics::Metrics;
+
+/// Pause between two attempts to recreate an unusable producer.
+const RECREATE_PAUSE: Duration = Duration::from_secs(1);
+
+/// One transactional producer and its group commit.
+#[derive(Clone)]
+struct Connected {
+    producer: TransactionalProducer,
+    enqueuer: ArrayEnqueuer,
+}
+
 struct Slot {
     transactional_id: String,
-    enqueuer: ArrayEnqueuer,
-    /// Set when the producer reported a fatal error (fenced): it is skipped,
-    /// and readiness reports it.
-    fatal: AtomicBool,
+    current: RwLock<Connected>,
+    /// Set while a task recreates the producer.
+    recreating: AtomicBool,
+}
+
+/// How producers are created (again).
+struct Factory {
+    kafka: KafkaSettings,
+    send_timeout: Duration,
+    limits: GroupCommitLimits,
+    observer: TransactionObserver,
+    metrics: Arc<Metrics>,
 }
 
 pub struct Publisher {
-    slots: Vec<Slot>,
+    slots: Arc<Vec<Slot>>,
     next: AtomicUsize,
+    factory: Arc<Factory>,
 }
 
 /// Builds the messages of the records topic.
@@ -43,16 +67,31 @@ pub fn transactional_ids(api: &ApiSettings) -> Vec<String> {
         .collect()
 }
 
+impl Factory {
+    async fn connect(&self, transactional_id: &str) -> Result<Connected, QueueError> {
+        let producer = TransactionalProducer::connect_with_send_timeout(
+            &self.kafka,
+            transactional_id,
+            self.send_timeout,
+        )
+        .await?;
+        let enqueuer = ArrayEnqueuer::start_observed(
+            producer.clone(),
+            self.limits,
+            Some(Arc::clone(&self.observer)),
+        );
+        Ok(Connected { producer, enqueuer })
+    }
+}
+
 impl Publisher {
     /// Connects the producers (initialising their transactions fences any
     /// older instance with the same ids) and starts their group commit.
-    pub async fn connect(kafka: &KafkaSettings, api: &ApiSettings) -> Result<Self, QueueError> {
-        let ids = transactional_ids(api);
-        let producers = futures::future::try_join_all(
-            ids.iter()
-                .map(|transactional_id| TransactionalProducer::connect(kafka, transactional_id)),
-        )
-        .await?;
+    pub async fn connect(
+        kafka: &KafkaSettings,
+        api: &ApiSettings,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, QueueError> {
         let limits = GroupCommitLimits {
             // A request's array always goes whole; let a group hold several.
             max_messages: GroupCommitLimits::default()
@@ -63,53 +102,129 @@ impl Publisher {
                 .max(api.max_body_bytes),
             ..GroupCommitLimits::default()
         };
-        let slots = producers
+        let observed = Arc::clone(&metrics);
+        let factory = Arc::new(Factory {
+            kafka: kafka.clone(),
+            send_timeout: Duration::from_millis(api.publish_timeout_ms.max(1)),
+            limits,
+            observer: Arc::new(move |report| {
+                observed.transaction_ended(report.outcome, report.elapsed);
+            }),
+            metrics,
+        });
+        let ids = transactional_ids(api);
+        let connected = futures::future::try_join_all(
+            ids.iter()
+                .map(|transactional_id| factory.connect(transactional_id)),
+        )
+        .await?;
+        let slots = connected
             .into_iter()
             .zip(ids)
-            .map(|(producer, transactional_id)| Slot {
+            .map(|(connected, transactional_id)| Slot {
                 transactional_id,
-                enqueuer: ArrayEnqueuer::start(producer, limits),
-                fatal: AtomicBool::new(false),
+                current: RwLock::new(connected),
+                recreating: AtomicBool::new(false),
             })
             .collect();
         Ok(Publisher {
-            slots,
+            slots: Arc::new(slots),
             next: AtomicUsize::new(0),
+            factory,
         })
     }
 
     /// Publishes `messages` atomically; one id per message, in order.
+    ///
+    /// A producer that became unusable (fenced, or its transaction state
+    /// unknown after Kafka went away) is recreated in the background with
+    /// the same transactional id, until Kafka lets it: the API recovers
+    /// without a restart.
     pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
-        let slot = self.pick();
-        let outcome = slot.enqueuer.enqueue_array(messages).await;
-        if let Err(QueueError::ProducerFatal(_)) = &outcome
-            && !slot.fatal.swap(true, Ordering::AcqRel)
-        {
-            tracing::error!(
-                transactional_id = %slot.transactional_id,
-                "producer is fenced or unusable; another replica may use the same api.replica_id"
-            );
+        self.repair();
+        let index = self.pick();
+        let connected = self.slots[index]
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let outcome = connected.enqueuer.enqueue_array(messages).await;
+        if !connected.producer.is_usable() {
+            self.recreate(index);
         }
         outcome
     }
 
-    /// Round robin over the producers still alive (all of them if none is).
-    fn pick(&self) -> &Slot {
+    /// Round robin over the usable producers (any, if none is).
+    fn pick(&self) -> usize {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let count = self.slots.len();
         (0..count)
-            .map(|step| &self.slots[(start + step) % count])
-            .find(|slot| !slot.fatal.load(Ordering::Acquire))
-            .unwrap_or(&self.slots[start % count])
+            .map(|step| (start + step) % count)
+            .find(|&index| self.slots[index].is_usable())
+            .unwrap_or(start % count)
     }
 
-    /// Transactional ids of producers that are fenced or unusable.
+    /// Starts recreating every unusable producer (those not under way).
+    pub fn repair(&self) {
+        for index in 0..self.slots.len() {
+            if !self.slots[index].is_usable() {
+                self.recreate(index);
+            }
+        }
+    }
+
+    /// Starts recreating producer `index`, unless that is under way.
+    fn recreate(&self, index: usize) {
+        if self.slots[index].recreating.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let slots = Arc::clone(&self.slots);
+        let factory = Arc::clone(&self.factory);
+        tokio::spawn(async move {
+            let slot = &slots[index];
+            tracing::warn!(transactional_id = %slot.transactional_id, "recreating an unusable producer");
+            let mut attempts = 0u32;
+            loop {
+                attempts += 1;
+                match factory.connect(&slot.transactional_id).await {
+                    Ok(connected) => {
+                        // The old producer and its group-commit task end when
+                        // the last request holding them is answered.
+                        *slot.current.write().unwrap_or_else(PoisonError::into_inner) = connected;
+                        slot.recreating.store(false, Ordering::Release);
+                        factory.metrics.producer_recreated();
+                        tracing::info!(transactional_id = %slot.transactional_id, attempts, "producer recreated");
+                        return;
+                    }
+                    Err(error) => {
+                        if attempts == 1 || attempts.is_multiple_of(30) {
+                            tracing::warn!(transactional_id = %slot.transactional_id, attempts, error = %error, "cannot recreate the producer yet; retrying");
+                        }
+                        tokio::time::sleep(RECREATE_PAUSE).await;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Transactional ids of producers that are unusable (being recreated).
     pub fn unusable_producers(&self) -> Vec<&str> {
         self.slots
             .iter()
-            .filter(|slot| slot.fatal.load(Ordering::Acquire))
+            .filter(|slot| !slot.is_usable())
             .map(|slot| slot.transactional_id.as_str())
             .collect()
+    }
+}
+
+impl Slot {
+    fn is_usable(&self) -> bool {
+        self.current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .producer
+            .is_usable()
     }
 }
 

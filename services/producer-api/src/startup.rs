@@ -9,17 +9,20 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{Method, Uri};
 use axum::middleware;
-use axum::routing::{get, post};
 use quire_config::Settings;
 use quire_queue::{QueueError, design_topics};
 use tokio::net::TcpListener;
 
+use crate::admission::{self, Admission, InFlightBytes};
 use crate::auth::{self, BearerTokens};
 use crate::errors::ApiError;
+use crate::idempotency::{IdempotencyStore, StoreLimits};
+use crate::kafka_health::{self, KafkaHealth};
 use crate::log_reader::{LogError, LogReader};
 use crate::metrics::{self, Metrics};
+use crate::openapi;
 use crate::publish::{Publisher, RecordsTopic};
-use crate::routes::{definitions, health, records, reports};
+use crate::routes::{Access, ROUTES};
 use crate::state::{AppState, Services};
 use crate::storage::Storage;
 use crate::validation::Limits;
@@ -34,6 +37,12 @@ pub enum StartupError {
     },
     #[error("api.{key} is 0; it must be at least 1")]
     ZeroLimit { key: &'static str },
+    #[error(
+        "api.max_in_flight_bytes ({in_flight}) is less than api.max_body_bytes ({body}): a request of the largest size allowed could never be let in"
+    )]
+    InFlightBelowBody { in_flight: usize, body: usize },
+    #[error("the embedded OpenAPI document is not valid YAML: {0}")]
+    OpenApi(String),
     #[error(
         "refusing to start: the kafka topics are not what quire needs ({0}); a changed partition count would move streams between partitions"
     )]
@@ -70,6 +79,7 @@ impl Application {
             source,
         })?;
         let limits = limits(&settings)?;
+        openapi::check().map_err(StartupError::OpenApi)?;
 
         // check_topics compares partition counts and cleanup policies, not
         // the replication factor, so any value does here.
@@ -83,15 +93,25 @@ impl Application {
             .map(|spec| spec.partitions)
             .expect("design_topics lists the records topic");
 
-        let publisher = Publisher::connect(&settings.kafka, &settings.api)
+        let metrics = Arc::new(Metrics::new());
+        let publisher = Publisher::connect(&settings.kafka, &settings.api, Arc::clone(&metrics))
             .await
             .map_err(StartupError::Producers)?;
         let lookup_group = format!(
             "{}-{}-report-lookups",
             settings.api.transactional_id_prefix, settings.api.replica_id
         );
-        let log = LogReader::new(&settings.kafka, records_partitions, &lookup_group)
-            .map_err(StartupError::LogReader)?;
+        let log = Arc::new(
+            LogReader::new(&settings.kafka, records_partitions, &lookup_group)
+                .map_err(StartupError::LogReader)?,
+        );
+        let kafka_health = KafkaHealth::new();
+        kafka_health::spawn_watcher(
+            Arc::clone(&kafka_health),
+            Arc::clone(&log),
+            Arc::clone(&metrics),
+            Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
+        );
         let storage = Storage::new(
             quire_s3::build_client(&settings.s3).await,
             settings.s3.bucket.clone(),
@@ -100,16 +120,27 @@ impl Application {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
 
+        let tokens = BearerTokens::new(&settings.api.auth_tokens);
         let services = Arc::new(Services {
             limits,
             records_topic: RecordsTopic::new(&settings.kafka.topics.records),
             publisher,
             storage,
             log,
-            metrics: Arc::new(Metrics::new()),
+            in_flight_bytes: InFlightBytes::new(
+                settings.api.max_in_flight_bytes,
+                metrics.in_flight_bytes_gauge(),
+            ),
+            idempotency: IdempotencyStore::new(StoreLimits {
+                max_keys: settings.api.idempotency_max_keys,
+                max_bytes: settings.api.idempotency_max_bytes,
+                ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
+            }),
+            kafka_health,
+            tokens_enabled: tokens.enabled(),
+            metrics,
             replica_id: settings.api.replica_id.clone(),
         });
-        let tokens = BearerTokens::new(&settings.api.auth_tokens);
         tracing::info!(
             %address,
             producers = settings.api.producers.max(1),
@@ -117,6 +148,8 @@ impl Application {
             records_topic = %settings.kafka.topics.records,
             bucket = %settings.s3.bucket,
             authentication = tokens.enabled(),
+            max_in_flight_bytes = settings.api.max_in_flight_bytes,
+            idempotency_max_keys = settings.api.idempotency_max_keys,
             "producer api ready"
         );
         Ok(Application {
@@ -161,44 +194,60 @@ fn limits(settings: &Settings) -> Result<Limits, StartupError> {
         ("max_body_bytes", api.max_body_bytes),
         ("max_record_bytes", api.max_record_bytes),
         ("max_records_per_request", api.max_records_per_request),
+        ("max_in_flight_bytes", api.max_in_flight_bytes),
+        ("idempotency_max_keys", api.idempotency_max_keys),
     ] {
         if value == 0 {
             return Err(StartupError::ZeroLimit { key });
         }
     }
+    if api.max_in_flight_bytes < api.max_body_bytes {
+        return Err(StartupError::InFlightBelowBody {
+            in_flight: api.max_in_flight_bytes,
+            body: api.max_body_bytes,
+        });
+    }
     Ok(Limits {
         max_body_bytes: api.max_body_bytes,
         max_record_bytes: api.max_record_bytes,
         max_records_per_request: api.max_records_per_request,
+        body_read_timeout: Duration::from_millis(api.body_read_timeout_ms),
     })
 }
 
-/// Every route. `/v1` requires a bearer token when tokens are configured;
-/// `/healthz`, `/readyz` and `/metrics` stay open. Every request is counted
-/// and timed, unknown routes included.
+/// Every route of [`ROUTES`]. Token routes require a bearer token when
+/// tokens are configured; open ones (`/healthz`, `/readyz`, `/metrics`, the
+/// OpenAPI document) stay open. Routes that publish get their admission
+/// ([`admission`]) inside the authentication. Every request is counted and
+/// timed, unknown routes included.
 pub fn router(services: AppState, tokens: BearerTokens) -> Router {
     let metrics = Arc::clone(&services.metrics);
-    let v1 = Router::new()
-        .route("/v1/streams/{stream}/records", post(records::post_records))
-        .route(
-            "/v1/streams/{stream}/reports",
-            post(reports::post_cut).get(reports::list_reports),
-        )
-        .route(
-            "/v1/streams/{stream}/definition",
-            get(definitions::get_definition).put(definitions::put_definition),
-        )
-        .route("/v1/reports/{id}", get(reports::get_report))
-        .route("/v1/reports/{id}/content", get(reports::get_report_content))
-        .route_layer(middleware::from_fn_with_state(
-            tokens,
-            auth::require_bearer_token,
-        ));
-    let open = Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(metrics::exposition));
-    v1.merge(open)
+    let mut protected = Router::new();
+    let mut open = Router::new();
+    for route in ROUTES {
+        let handler = (route.handler)();
+        let handler = match route.admission {
+            Some(Admission::IdempotentPublish) => handler.route_layer(
+                middleware::from_fn_with_state(Arc::clone(&services), admission::admit_publish),
+            ),
+            Some(Admission::Publish) => handler.route_layer(middleware::from_fn_with_state(
+                Arc::clone(&services),
+                admission::kafka_gate,
+            )),
+            None => handler,
+        };
+        // Routing one path twice merges its methods.
+        match route.access {
+            Access::Token => protected = protected.route(route.path, handler),
+            Access::Open => open = open.route(route.path, handler),
+        }
+    }
+    let protected = protected.route_layer(middleware::from_fn_with_state(
+        tokens,
+        auth::require_bearer_token,
+    ));
+    protected
+        .merge(open)
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(services)

@@ -23,6 +23,8 @@ pub struct Limits {
     pub max_body_bytes: usize,
     pub max_record_bytes: usize,
     pub max_records_per_request: usize,
+    /// How long a body may take to arrive whole.
+    pub body_read_timeout: std::time::Duration,
 }
 
 /// How the records of a body are laid out.
@@ -251,6 +253,7 @@ mod tests {
         max_body_bytes: 1 << 20,
         max_record_bytes: 80,
         max_records_per_request: 3,
+        body_read_timeout: std::time::Duration::from_secs(30),
     };
 
     fn texts(records: &[&RawValue]) -> Vec<String> {

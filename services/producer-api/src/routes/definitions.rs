@@ -7,7 +7,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use quire_messages::{CURRENT_VERSION, Definition, MessageKind, StreamName};
+use quire_messages::{Definition, MessageKind, StreamName};
 use quire_queue::MessageId;
 use serde::{Deserialize, Serialize};
 
@@ -77,9 +77,11 @@ pub async fn put_definition(
 }
 
 /// Parses and validates a definition: unknown fields, bad XML names,
-/// colliding renames and versions newer than this release are refused.
+/// colliding renames and versions newer than this release are refused. The
+/// definition is published with the version its fields need (2 with `gzip`,
+/// 1 otherwise), whatever `v` the client sent.
 fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
-    let definition: Definition = serde_json::from_slice(body).map_err(|error| {
+    let mut definition: Definition = serde_json::from_slice(body).map_err(|error| {
         if error.is_data() {
             ApiError::InvalidDefinition(error.to_string())
         } else {
@@ -90,15 +92,17 @@ fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
             }
         }
     })?;
-    if definition.v > CURRENT_VERSION {
+    if definition.v > Definition::NEWEST_VERSION {
         return Err(ApiError::InvalidDefinition(format!(
-            "version {} is newer than this release writes ({CURRENT_VERSION})",
-            definition.v
+            "version {} is newer than this release writes ({})",
+            definition.v,
+            Definition::NEWEST_VERSION
         )));
     }
     definition
         .validate()
         .map_err(|error| ApiError::InvalidDefinition(error.to_string()))?;
+    definition.v = definition.required_version();
     Ok(definition)
 }
 
@@ -152,6 +156,8 @@ pub async fn get_definition(
 
 #[cfg(test)]
 mod tests {
+    use quire_messages::CURRENT_VERSION;
+
     use super::*;
 
     #[test]
@@ -165,6 +171,18 @@ mod tests {
     }
 
     #[test]
+    fn gzip_is_optional_and_a_gzip_definition_is_published_as_version_2() {
+        let plain = parse_definition(br#"{"root":"orders"}"#).unwrap();
+        assert!(!plain.gzip);
+        assert_eq!(plain.v, CURRENT_VERSION);
+        let compressed = parse_definition(br#"{"v":1,"gzip":true}"#).unwrap();
+        assert!(compressed.gzip);
+        assert_eq!(compressed.v, Definition::GZIP_VERSION);
+        let explicit_false = parse_definition(br#"{"v":2,"gzip":false}"#).unwrap();
+        assert_eq!(explicit_false.v, CURRENT_VERSION);
+    }
+
+    #[test]
     fn unknown_fields_bad_names_and_newer_versions_are_422() {
         for body in [
             &br#"{"rot":"orders"}"#[..],
@@ -172,6 +190,7 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
+            br#"{"v":3,"gzip":true}"#,
             br#"{"gzip":"yes"}"#,
         ] {
             let error = parse_definition(body).unwrap_err();

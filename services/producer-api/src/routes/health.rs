@@ -1,5 +1,7 @@
 //! `/healthz` (the process answers) and `/readyz` (Kafka and S3 answer, and
 //! every producer is usable). Both stay open when authentication is on.
+//! Kafka's state is the background check's ([`crate::kafka_health`]), the
+//! same verdict that answers publishing requests 503 while Kafka is away.
 
 use std::time::Duration;
 
@@ -61,16 +63,20 @@ impl Check {
 
 /// `GET /readyz`: 200 when every check passes, 503 naming the failed ones.
 pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readiness>) {
-    let (kafka, s3) = tokio::join!(
-        state.log.check_reachable(CHECK_TIMEOUT),
-        state.storage.check_bucket(CHECK_TIMEOUT),
-    );
+    let s3 = state.storage.check_bucket(CHECK_TIMEOUT).await;
+    let kafka = match state.kafka_health.unavailable_because() {
+        None => Ok(()),
+        Some(reason) => Err(format!(
+            "kafka does not answer ({reason}); publishing requests are answered 503"
+        )),
+    };
+    state.publisher.repair();
     let unusable = state.publisher.unusable_producers();
     let producers = if unusable.is_empty() {
         Ok(())
     } else {
         Err(format!(
-            "producers {} are fenced or unusable (does another replica use api.replica_id {}?)",
+            "producers {} are unusable and being recreated (fenced: does another replica use api.replica_id {}? or kafka went away during a transaction)",
             unusable.join(", "),
             state.replica_id
         ))

@@ -1,5 +1,7 @@
-//! The HTTP routes, and what they share: path extractors that validate
-//! stream names and report ids, and bounded body reading.
+//! The HTTP routes, and what they share: the one list of routes
+//! ([`ROUTES`], which builds the router and which the OpenAPI document is
+//! checked against), path extractors that validate stream names and report
+//! ids, and bounded body reading.
 
 pub mod definitions;
 pub mod health;
@@ -10,11 +12,124 @@ use axum::body::Body;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, header};
+use axum::routing::{MethodRouter, get, post, put};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use quire_messages::{ReportId, StreamName};
 
+use crate::admission::Admission;
 use crate::errors::ApiError;
+use crate::state::AppState;
+use crate::{metrics, openapi};
+
+/// Who may call a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// `Authorization: Bearer` when `api.auth_tokens` is not empty.
+    Token,
+    /// Always open (health, metrics, the API's description).
+    Open,
+}
+
+/// One operation of the API.
+pub struct Route {
+    pub method: &'static str,
+    /// axum's path template, the OpenAPI document's too (`{stream}`).
+    pub path: &'static str,
+    pub access: Access,
+    /// What runs before the handler of a route that publishes.
+    pub admission: Option<Admission>,
+    pub handler: fn() -> MethodRouter<AppState>,
+}
+
+/// Every operation the API serves; [`crate::startup::router`] is built from
+/// this list, and a test checks that `openapi.yaml` describes exactly these.
+pub const ROUTES: &[Route] = &[
+    Route {
+        method: "POST",
+        path: "/v1/streams/{stream}/records",
+        access: Access::Token,
+        admission: Some(Admission::IdempotentPublish),
+        handler: || post(records::post_records),
+    },
+    Route {
+        method: "POST",
+        path: "/v1/streams/{stream}/reports",
+        access: Access::Token,
+        admission: Some(Admission::IdempotentPublish),
+        handler: || post(reports::post_cut),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/streams/{stream}/reports",
+        access: Access::Token,
+        admission: None,
+        handler: || get(reports::list_reports),
+    },
+    Route {
+        method: "PUT",
+        path: "/v1/streams/{stream}/definition",
+        access: Access::Token,
+        admission: Some(Admission::Publish),
+        handler: || put(definitions::put_definition),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/streams/{stream}/definition",
+        access: Access::Token,
+        admission: None,
+        handler: || get(definitions::get_definition),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/reports/{id}",
+        access: Access::Token,
+        admission: None,
+        handler: || get(reports::get_report),
+    },
+    Route {
+        method: "GET",
+        path: "/v1/reports/{id}/content",
+        access: Access::Token,
+        admission: None,
+        handler: || get(reports::get_report_content),
+    },
+    Route {
+        method: "GET",
+        path: "/healthz",
+        access: Access::Open,
+        admission: None,
+        handler: || get(health::healthz),
+    },
+    Route {
+        method: "GET",
+        path: "/readyz",
+        access: Access::Open,
+        admission: None,
+        handler: || get(health::readyz),
+    },
+    Route {
+        method: "GET",
+        path: "/metrics",
+        access: Access::Open,
+        admission: None,
+        handler: || get(metrics::exposition),
+    },
+    Route {
+        method: "GET",
+        path: "/openapi.yaml",
+        access: Access::Open,
+        admission: None,
+        handler: || get(openapi::yaml),
+    },
+    Route {
+        method: "GET",
+        path: "/openapi.json",
+        access: Access::Open,
+        admission: None,
+        handler: || get(openapi::json),
+    },
+];
 
 /// The `{stream}` of a route, validated.
 pub struct StreamPath(pub StreamName);

@@ -125,8 +125,9 @@ async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiE
     }
 }
 
-/// `GET /v1/reports/{id}/content`: the document, streamed from S3 as it
-/// arrives (never held in memory whole).
+/// `GET /v1/reports/{id}/content`: the document as stored (XML, or the gzip
+/// file of a `.xml.gz` report), streamed from S3 as it arrives (never held in
+/// memory whole).
 pub async fn get_report_content(
     State(state): State<AppState>,
     ReportPath(id): ReportPath,
@@ -143,11 +144,10 @@ pub async fn get_report_content(
             key: manifest.key,
         });
     };
-    let content_type = if manifest.key.ends_with(".gz") {
-        "application/gzip"
-    } else {
-        "application/xml"
-    };
+    // A gzip report is served as the gzip file it is (`application/gzip`,
+    // no Content-Encoding), so clients that decode Content-Encoding on their
+    // own still receive the bytes the manifest's SHA-256 covers.
+    let content_type = quire_messages::report_content_type(&manifest.key);
     let chunks = futures::stream::unfold(object.body, |mut body| async move {
         body.next().await.map(|chunk| (chunk, body))
     });
