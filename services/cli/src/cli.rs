@@ -40,7 +40,7 @@ pub enum Command {
     /// Send the records of an NDJSON file or a JSON array, in arrays, resumably.
     Send(SendArgs),
     /// Cut a report of a stream now; prints the report id.
-    Cut(StreamArgs),
+    Cut(CutArgs),
     /// Whether a report is pending or completed, with its manifest.
     Status(ReportArgs),
     /// Download a report's content to a file, checking its SHA-256.
@@ -71,16 +71,25 @@ pub struct SendArgs {
     /// The progress file (default `FILE.quire-progress`; needed with `-` to be resumable).
     #[arg(long = "state")]
     pub state_path: Option<PathBuf>,
-    /// Retries of a request the API refused with 429 or 503 (it published nothing).
-    #[arg(long, default_value_t = 5)]
+    /// Retries of an array the API refused with 429 or 503 (it published
+    /// nothing), each after the API's Retry-After or a doubling pause (at most 30s).
+    #[arg(long, default_value_t = 8)]
     pub retries: u32,
 }
 
 #[derive(Debug, Args)]
-pub struct StreamArgs {
+pub struct CutArgs {
     /// The stream.
     #[arg(long, short = 's')]
     pub stream: String,
+    /// The cut's Idempotency-Key (default: a new one per invocation). Run
+    /// the same cut again with the same key to get its report id without a
+    /// second cut.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+    /// Retries of a cut the API refused with 429 or 503 (same key).
+    #[arg(long, default_value_t = 8)]
+    pub retries: u32,
 }
 
 #[derive(Debug, Args)]
@@ -220,6 +229,21 @@ mod tests {
             2,
             "usage errors exit 2"
         );
+    }
+
+    #[test]
+    fn cut_takes_an_optional_key() {
+        let cli = parse(&["cut", "-s", "orders", "--idempotency-key", "k-1"]).unwrap();
+        let Command::Cut(cut) = cli.command else {
+            panic!("not cut")
+        };
+        assert_eq!(cut.idempotency_key.as_deref(), Some("k-1"));
+        let cli = parse(&["cut", "-s", "orders"]).unwrap();
+        let Command::Cut(cut) = cli.command else {
+            panic!("not cut")
+        };
+        assert_eq!(cut.idempotency_key, None);
+        assert_eq!(cut.retries, 8);
     }
 
     #[test]

@@ -9,6 +9,9 @@ use serde_json::Value;
 
 use crate::error::{ApiError, CliError};
 
+/// The request header of the IETF httpapi idempotency-key draft.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
 pub struct ApiClient {
     http: reqwest::Client,
     base_url: String,
@@ -85,24 +88,30 @@ impl ApiClient {
         })
     }
 
-    /// Sends one array of NDJSON records.
+    /// Sends one array of NDJSON records under an `Idempotency-Key`: the
+    /// same key and body sent again get the first answer, published once.
     pub async fn post_records(
         &self,
         stream: &str,
         ndjson_body: Vec<u8>,
+        idempotency_key: &str,
     ) -> Result<Accepted, CliError> {
         let path = format!("/v1/streams/{}/records", encode_segment(stream));
         let builder = self
             .request(reqwest::Method::POST, &path)
             .header(header::CONTENT_TYPE, "application/x-ndjson")
+            .header(IDEMPOTENCY_KEY, idempotency_key)
             .body(ndjson_body);
         self.json(builder, &path).await
     }
 
-    pub async fn cut(&self, stream: &str) -> Result<Value, CliError> {
+    /// Cuts a report under an `Idempotency-Key` (one cut per key).
+    pub async fn cut(&self, stream: &str, idempotency_key: &str) -> Result<Value, CliError> {
         let path = format!("/v1/streams/{}/reports", encode_segment(stream));
-        self.json(self.request(reqwest::Method::POST, &path), &path)
-            .await
+        let builder = self
+            .request(reqwest::Method::POST, &path)
+            .header(IDEMPOTENCY_KEY, idempotency_key);
+        self.json(builder, &path).await
     }
 
     pub async fn report(&self, report_id: &str) -> Result<Value, CliError> {
@@ -205,18 +214,78 @@ fn encode_segment(segment: &str) -> String {
     encoded
 }
 
-/// Whether a refused request published nothing and may be sent again.
+/// Whether a refused request published nothing and may be sent again with
+/// the same key: 429 and 503, and 409 `idempotency_key_in_progress` (the
+/// first request with the key is still being handled; its answer comes to
+/// the retry).
 pub fn is_retryable(error: &CliError) -> bool {
     matches!(
         error,
         CliError::Api(api)
-            if api.status == StatusCode::SERVICE_UNAVAILABLE || api.status == StatusCode::TOO_MANY_REQUESTS
+            if api.status == StatusCode::SERVICE_UNAVAILABLE
+                || api.status == StatusCode::TOO_MANY_REQUESTS
+                || (api.status == StatusCode::CONFLICT && api.code == "idempotency_key_in_progress")
     )
+}
+
+/// Longest pause between two attempts.
+pub const MAX_RETRY_PAUSE: Duration = Duration::from_secs(30);
+
+/// The pause before retry `attempt` (from 1): the API's `Retry-After` or a
+/// doubling pause from one second, whichever is longer, at most
+/// [`MAX_RETRY_PAUSE`].
+pub fn retry_pause(error: &CliError, attempt: u32) -> Duration {
+    let announced = match error {
+        CliError::Api(api) => api.retry_after.unwrap_or_default(),
+        _ => Duration::ZERO,
+    };
+    let backoff = Duration::from_millis(500 * 2u64.pow(attempt.clamp(1, 7)));
+    announced.max(backoff).min(MAX_RETRY_PAUSE)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn refused(status: u16, code: &str, retry_after: Option<u64>) -> CliError {
+        CliError::Api(Box::new(ApiError {
+            status: StatusCode::from_u16(status).unwrap(),
+            code: code.to_owned(),
+            message: String::new(),
+            details: serde_json::Map::new(),
+            retry_after: retry_after.map(Duration::from_secs),
+        }))
+    }
+
+    #[test]
+    fn only_answers_that_published_nothing_are_retried() {
+        assert!(is_retryable(&refused(503, "kafka_unavailable", Some(1))));
+        assert!(is_retryable(&refused(429, "too_busy", Some(1))));
+        assert!(is_retryable(&refused(
+            409,
+            "idempotency_key_in_progress",
+            Some(1)
+        )));
+        assert!(!is_retryable(&refused(409, "report_pending", None)));
+        assert!(!is_retryable(&refused(422, "idempotency_key_reused", None)));
+        assert!(!is_retryable(&refused(
+            500,
+            "publish_outcome_unknown",
+            None
+        )));
+    }
+
+    #[test]
+    fn pauses_follow_retry_after_grow_and_are_bounded() {
+        let busy = refused(429, "too_busy", Some(1));
+        assert_eq!(retry_pause(&busy, 1), Duration::from_secs(1));
+        assert_eq!(retry_pause(&busy, 3), Duration::from_secs(4));
+        assert_eq!(retry_pause(&busy, 50), MAX_RETRY_PAUSE);
+        let slow = refused(503, "kafka_unavailable", Some(20));
+        assert_eq!(retry_pause(&slow, 1), Duration::from_secs(20));
+        let far = refused(503, "kafka_unavailable", Some(3600));
+        assert_eq!(retry_pause(&far, 1), MAX_RETRY_PAUSE);
+    }
 
     #[test]
     fn path_segments_are_encoded() {

@@ -10,8 +10,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::cli::{GetArgs, GlobalOptions, ListArgs, ReportArgs, StreamArgs, WatchArgs};
-use crate::client::ApiClient;
+use crate::cli::{CutArgs, GetArgs, GlobalOptions, ListArgs, ReportArgs, WatchArgs};
+use crate::client::{ApiClient, is_retryable, retry_pause};
 use crate::error::CliError;
 use crate::output::Output;
 use crate::send::human_bytes;
@@ -19,12 +19,32 @@ use crate::send::human_bytes;
 /// Page size `watch` asks for.
 const WATCH_PAGE_SIZE: u32 = 1000;
 
+/// Cuts under one `Idempotency-Key` for the whole invocation, so a cut
+/// retried after a 429 or 503 (or a lost answer) is one cut.
 pub async fn cut(
     client: &ApiClient,
     global: &GlobalOptions,
-    arguments: &StreamArgs,
+    arguments: &CutArgs,
 ) -> Result<(), CliError> {
-    let answer = client.cut(&arguments.stream).await?;
+    let key = arguments
+        .idempotency_key
+        .clone()
+        .unwrap_or_else(|| format!("quire-cut-{}", uuid::Uuid::new_v4().simple()));
+    let mut attempt = 0u32;
+    let answer = loop {
+        match client.cut(&arguments.stream, &key).await {
+            Err(error) if attempt < arguments.retries && is_retryable(&error) => {
+                attempt += 1;
+                let pause = retry_pause(&error, attempt);
+                eprintln!(
+                    "{error}; retry {attempt} of {} in {pause:?} (same Idempotency-Key)",
+                    arguments.retries
+                );
+                tokio::time::sleep(pause).await;
+            }
+            other => break other?,
+        }
+    };
     Output::new(global.json).result(&answer, || text_field(&answer, "report_id").to_owned());
     Ok(())
 }

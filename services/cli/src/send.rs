@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::cli::{GlobalOptions, SendArgs};
-use crate::client::{Accepted, ApiClient, is_retryable};
+use crate::client::{Accepted, ApiClient, is_retryable, retry_pause};
 use crate::error::{CliError, EXIT_INTERRUPTED};
 use crate::output::Output;
 use crate::records::RecordReader;
@@ -83,14 +83,37 @@ pub async fn run(
         }
     };
 
+    // A resume cuts the input into the same arrays as the first run, so an
+    // array sent again carries the same body under the same key.
+    let array_size = progress.array_size.unwrap_or(arguments.array_size);
+    let max_request_bytes = progress
+        .max_request_bytes
+        .unwrap_or(arguments.max_request_bytes);
+    if arguments.resume
+        && (array_size != arguments.array_size || max_request_bytes != arguments.max_request_bytes)
+    {
+        eprintln!(
+            "resuming with the first run's arrays: --array {array_size} --max-request-bytes {max_request_bytes}"
+        );
+    }
+    if progress.run_id.is_empty() {
+        // A progress file of an older release: its arrays had no keys.
+        progress.run_id = SendProgress::new("", "", progress.format, None).run_id;
+    }
+    progress.array_size = Some(array_size);
+    progress.max_request_bytes = Some(max_request_bytes);
+    // Written before the first array goes out: a send killed before any
+    // answer is resumed under the same run id, so that array is not doubled.
+    if let Some(path) = &state_path {
+        progress.save(path)?;
+    }
+
     let bar = progress_bar(file_size, progress.offset, global.json);
     let started = Instant::now();
     let records_before = progress.records;
     let bytes_before = progress.offset;
     let mut arrays = 0u64;
     let (sender, mut batches) = mpsc::channel(ARRAYS_READ_AHEAD);
-    let array_size = arguments.array_size;
-    let max_request_bytes = arguments.max_request_bytes;
     let reading = tokio::task::spawn_blocking(move || {
         read_batches(reader, array_size, max_request_bytes, &sender)
     });
@@ -98,11 +121,18 @@ pub async fn run(
     let interrupted = stop_on_ctrl_c(bar.clone());
     while let Some(batch) = batches.recv().await {
         let outcome = match batch {
-            Ok(batch) => send_batch(client, arguments, &batch, &bar, &interrupted)
-                .await
-                .and_then(|accepted| {
-                    record_progress(&mut progress, &batch, &accepted, state_path.as_deref())
-                }),
+            Ok(batch) => send_batch(
+                client,
+                arguments,
+                &batch,
+                &progress.idempotency_key(progress.records),
+                &bar,
+                &interrupted,
+            )
+            .await
+            .and_then(|accepted| {
+                record_progress(&mut progress, &batch, &accepted, state_path.as_deref())
+            }),
             Err(error) => Err(error),
         };
         // The array in flight was answered and recorded: stop between arrays.
@@ -317,19 +347,22 @@ fn read_batches(
     }
 }
 
-/// Sends one array; a 429 or 503 (nothing published) is retried after the
-/// API's `Retry-After` or a growing pause.
+/// Sends one array under its `Idempotency-Key`; a 429 or 503 (nothing
+/// published), or a 409 for the key's first request still in progress, is
+/// retried with the same key after the API's `Retry-After` or a growing
+/// pause (bounded), shown on the progress bar.
 async fn send_batch(
     client: &ApiClient,
     arguments: &SendArgs,
     batch: &Batch,
+    idempotency_key: &str,
     bar: &ProgressBar,
     interrupted: &AtomicBool,
 ) -> Result<Accepted, CliError> {
     let mut attempt = 0u32;
     loop {
         let outcome = client
-            .post_records(&arguments.stream, batch.body.clone())
+            .post_records(&arguments.stream, batch.body.clone(), idempotency_key)
             .await;
         match outcome {
             Err(error)
@@ -338,18 +371,17 @@ async fn send_batch(
                     && !interrupted.load(Ordering::SeqCst) =>
             {
                 attempt += 1;
-                let announced = match &error {
-                    CliError::Api(api) => api.retry_after,
-                    _ => None,
-                };
-                let pause = announced
-                    .unwrap_or_else(|| Duration::from_millis(500 * 2u64.pow(attempt.min(6))));
+                let pause = retry_pause(&error, attempt);
                 bar.suspend(|| {
                     eprintln!(
-                        "{error}; retry {attempt} of {} in {pause:?}",
+                        "{error}; retry {attempt} of {} in {pause:?} (same Idempotency-Key)",
                         arguments.retries
                     )
                 });
+                bar.set_message(format!(
+                    "waiting {pause:?} before retry {attempt} of {}",
+                    arguments.retries
+                ));
                 tokio::time::sleep(pause).await;
             }
             other => return other,
@@ -398,13 +430,16 @@ fn stopped(
         "{} records were accepted (the input up to byte {}){}",
         progress.records,
         progress.offset,
-        match error {
+        match &error {
             CliError::Interrupted => "",
+            CliError::Api(api) if api.code == "publish_outcome_unknown" => {
+                "; the array that failed may have been published (its commit did not finish): look at the stream before resuming"
+            }
             _ => "; the array that failed was not",
         }
     ));
     let resume_command = match state_path {
-        Some(path) if progress.records > 0 => {
+        Some(path) => {
             let state = match &arguments.state_path {
                 Some(explicit) => format!(" --state {}", explicit.display()),
                 None => String::new(),
@@ -415,10 +450,6 @@ fn stopped(
                 arguments.stream, arguments.file
             ))
         }
-        Some(_) => Some(format!(
-            "quire send --stream {} {}",
-            arguments.stream, arguments.file
-        )),
         None => None,
     };
     match &resume_command {

@@ -29,6 +29,19 @@ pub struct SendProgress {
     /// The last accepted record's id (`partition-offset`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_id: Option<String>,
+    /// Names this send (all its runs): each array's `Idempotency-Key` is
+    /// `{run_id}-{index of its first record}`, so a resumed send that sends
+    /// again an array the API accepted but this file missed (a hard kill
+    /// between the two) gets the first answer instead of a second copy.
+    /// Empty in files of older releases (their arrays get new keys).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub run_id: String,
+    /// How the input was cut into arrays; a resume cuts it the same way, so
+    /// an array sent again has the same body under the same key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_request_bytes: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +72,16 @@ impl SendProgress {
             offset: 0,
             file_size,
             last_id: None,
+            run_id: uuid::Uuid::new_v4().simple().to_string(),
+            array_size: None,
+            max_request_bytes: None,
         }
+    }
+
+    /// The `Idempotency-Key` of the array whose first record is record
+    /// `first_record` of the input (counting from 0).
+    pub fn idempotency_key(&self, first_record: u64) -> String {
+        format!("quire-send-{}-{first_record}", self.run_id)
     }
 
     /// The state file's default place: beside the input, `FILE.quire-progress`.
@@ -174,6 +196,38 @@ mod tests {
             SendProgress::load(&path),
             Err(StateError::Version { found: 99, .. })
         ));
+        fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn keys_are_the_run_and_the_first_record_and_survive_the_file() {
+        let path = scratch_path();
+        let progress = SendProgress::new("orders", "orders.json", Format::Ndjson, None);
+        assert_eq!(progress.run_id.len(), 32);
+        let key = progress.idempotency_key(2000);
+        assert_eq!(key, format!("quire-send-{}-2000", progress.run_id));
+        assert!(key.len() <= 255 && key.bytes().all(|byte| byte.is_ascii_graphic()));
+        assert_ne!(key, progress.idempotency_key(3000));
+        let other_run = SendProgress::new("orders", "orders.json", Format::Ndjson, None);
+        assert_ne!(key, other_run.idempotency_key(2000));
+
+        progress.save(&path).unwrap();
+        let loaded = SendProgress::load(&path).unwrap().unwrap();
+        assert_eq!(loaded.idempotency_key(2000), key);
+        SendProgress::remove(&path).unwrap();
+    }
+
+    #[test]
+    fn files_without_a_run_id_still_load() {
+        let path = scratch_path();
+        fs::write(
+            &path,
+            r#"{"v":1,"stream":"s","file":"f","format":"ndjson","records":5,"offset":40}"#,
+        )
+        .unwrap();
+        let loaded = SendProgress::load(&path).unwrap().unwrap();
+        assert_eq!(loaded.records, 5);
+        assert!(loaded.run_id.is_empty());
         fs::remove_file(&path).unwrap();
     }
 
