@@ -256,5 +256,6 @@ pub async fn delete_records_before(
         element.error().expect("delete records of a partition");
     }
 }
+pub mod kafka_process;
 pub mod pipeline;
 pub mod s3;

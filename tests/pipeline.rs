@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quire_config::TopicNames;
+use quire_config::{KafkaSettings, TopicNames};
 use serde_json::{Value, json};
 
+use crate::kafka_process::KafkaProcess;
 use crate::s3::{TestBucket, s3_settings};
 use crate::{kafka_settings, read_all, unique};
 
@@ -19,17 +20,14 @@ pub struct TestStack {
     pub topics: TopicNames,
     pub bucket: TestBucket,
     pub group: String,
+    /// The broker the topics are on and the services use.
+    pub kafka: KafkaSettings,
     _topics: Vec<crate::TestTopic>,
 }
 
 impl TestStack {
     pub async fn create(prefix: &str) -> TestStack {
-        let topics = TopicNames {
-            records: unique(&format!("test.{prefix}.records")),
-            report_events: unique(&format!("test.{prefix}.events")),
-            watermarks: unique(&format!("test.{prefix}.watermarks")),
-            dead_letters: unique(&format!("test.{prefix}.dead")),
-        };
+        let topics = Self::topic_names(prefix);
         let mut guards = Vec::new();
         for spec in quire_queue::design_topics(&topics, 1) {
             guards.push(crate::TestTopic::adopt(spec).await);
@@ -38,18 +36,43 @@ impl TestStack {
             topics,
             bucket: TestBucket::create(prefix).await,
             group: unique(&format!("test.{prefix}.workers")),
+            kafka: kafka_settings(),
             _topics: guards,
+        }
+    }
+
+    /// The same, on a test's private broker instead of the stack's: the
+    /// services of this stack use `broker`, and the topics go with it.
+    pub async fn create_on(prefix: &str, broker: &KafkaProcess) -> TestStack {
+        let topics = Self::topic_names(prefix);
+        broker
+            .create_topics(&quire_queue::design_topics(&topics, 1))
+            .await;
+        TestStack {
+            topics,
+            bucket: TestBucket::create(prefix).await,
+            group: unique(&format!("test.{prefix}.workers")),
+            kafka: broker.settings(),
+            _topics: Vec::new(),
+        }
+    }
+
+    fn topic_names(prefix: &str) -> TopicNames {
+        TopicNames {
+            records: unique(&format!("test.{prefix}.records")),
+            report_events: unique(&format!("test.{prefix}.events")),
+            watermarks: unique(&format!("test.{prefix}.watermarks")),
+            dead_letters: unique(&format!("test.{prefix}.dead")),
         }
     }
 
     /// The environment a service of this stack runs with.
     pub fn environment(&self) -> Vec<(String, String)> {
-        let kafka = kafka_settings();
         let s3 = s3_settings();
         vec![
             (
                 "QUIRE_KAFKA__BOOTSTRAP_SERVERS".into(),
-                kafka.bootstrap_servers,
+                self.kafka.bootstrap_servers.clone(),
             ),
             (
                 "QUIRE_KAFKA__TOPICS__RECORDS".into(),
@@ -68,10 +91,7 @@ impl TestStack {
                 self.topics.dead_letters.clone(),
             ),
             // A stopped static member's partitions move after this long.
-            (
-                "QUIRE_KAFKA__PROPERTIES__SESSION_TIMEOUT_MS".into(),
-                "6000".into(),
-            ),
+            ("QUIRE_WORKER__SESSION_TIMEOUT_MS".into(), "6000".into()),
             ("QUIRE_S3__ENDPOINT".into(), s3.endpoint),
             ("QUIRE_S3__REGION".into(), s3.region),
             ("QUIRE_S3__BUCKET".into(), self.bucket.name.clone()),
@@ -85,6 +105,8 @@ impl TestStack {
                 "QUIRE_WORKER__TRANSACTIONAL_ID_PREFIX".into(),
                 unique("test-worker"),
             ),
+            // Workers run side by side: each serves its metrics on a free port.
+            ("QUIRE_WORKER__METRICS_LISTEN".into(), "127.0.0.1:0".into()),
         ]
     }
 
@@ -137,14 +159,69 @@ impl TestStack {
         }
     }
 
+    /// Starts a report generator like [`spawn_worker`](Self::spawn_worker)
+    /// and waits (bounded) until it logs where it serves `/metrics`,
+    /// `/healthz` and `/readyz` (the `metrics_address` field; its metrics
+    /// port is a free one). Returns it and that server's base URL. The
+    /// worker logs JSON here; its lines still reach the test's stderr.
+    pub fn spawn_monitored_worker(
+        &self,
+        replica: &str,
+        extra: &[(&str, &str)],
+        drain: bool,
+    ) -> (WorkerProcess, String) {
+        let mut command = service_command("report-generator", &self.environment());
+        command
+            .env("QUIRE_WORKER__REPLICA_ID", replica)
+            .env("QUIRE_LOG__FORMAT", "json")
+            .env(
+                "RUST_LOG",
+                format!(
+                    "{},report_generator::monitoring=info",
+                    std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
+                ),
+            )
+            .stderr(Stdio::piped());
+        for (key, value) in extra {
+            command.env(key, value);
+        }
+        if drain {
+            command.arg("--drain");
+        }
+        let mut child = command
+            .spawn()
+            .expect("start report-generator (is it built?)");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (address_sender, address) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                if let Some(found) = serde_json::from_str::<Value>(&line)
+                    .ok()
+                    .and_then(|entry| entry["metrics_address"].as_str().map(str::to_owned))
+                {
+                    let _ = address_sender.send(found);
+                }
+            }
+        });
+        let mut worker = WorkerProcess { child };
+        let Ok(found) = address.recv_timeout(Duration::from_secs(30)) else {
+            let exited = worker.exited();
+            panic!("report-generator logged no metrics_address within 30 s (exited: {exited:?})");
+        };
+        (worker, format!("http://{found}"))
+    }
+
     /// Everything the pipeline published and stored, read back independently.
     pub async fn observe(&self) -> Observed {
-        let kafka = kafka_settings();
-        let events: Vec<Value> = read_all(&kafka, &self.topics.report_events, 3, true)
+        let kafka = &self.kafka;
+        let events: Vec<Value> = read_all(kafka, &self.topics.report_events, 3, true)
             .into_iter()
             .map(|message| serde_json::from_slice(&message.payload).expect("event JSON"))
             .collect();
-        let dead_letters: Vec<Value> = read_all(&kafka, &self.topics.dead_letters, 3, true)
+        let dead_letters: Vec<Value> = read_all(kafka, &self.topics.dead_letters, 3, true)
             .into_iter()
             .map(|message| serde_json::from_slice(&message.payload).expect("dead letter JSON"))
             .collect();
@@ -402,6 +479,82 @@ impl ApiProcess {
             .collect()
     }
 
+    /// One attempt at sending records under an `Idempotency-Key`, waiting
+    /// at most `timeout`. `Err` when no answer came in time (or at all).
+    pub async fn send_keyed(
+        &self,
+        stream: &str,
+        records: &[Value],
+        idempotency_key: &str,
+        timeout: Duration,
+    ) -> Result<Answer, reqwest::Error> {
+        let response = self
+            .http
+            .post(format!("{}/v1/streams/{stream}/records", self.base))
+            .header("idempotency-key", idempotency_key)
+            .json(&records)
+            .timeout(timeout)
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        Ok(Answer {
+            status,
+            retry_after,
+            body: response.json().await.unwrap_or(Value::Null),
+        })
+    }
+
+    /// Sends one array under one fresh `Idempotency-Key` until it is
+    /// accepted, as a careful producer would: after a 503 or a 429 it waits
+    /// what `Retry-After` says (1 s without one), after no answer 1 s, then
+    /// sends the same body with the same key again. Stops at the first other
+    /// answer, or once `limit` has passed. Every attempt is returned, in order.
+    pub async fn send_until_accepted(
+        &self,
+        stream: &str,
+        records: &[Value],
+        attempt_timeout: Duration,
+        limit: Duration,
+    ) -> Vec<Attempt> {
+        let idempotency_key = uuid::Uuid::new_v4().to_string();
+        let deadline = Instant::now() + limit;
+        let mut attempts = Vec::new();
+        loop {
+            let sent_at = Instant::now();
+            let outcome = self
+                .send_keyed(stream, records, &idempotency_key, attempt_timeout)
+                .await
+                .map_err(|error| NoAnswer {
+                    timed_out: error.is_timeout(),
+                    message: error.to_string(),
+                });
+            let pause = match &outcome {
+                Ok(answer) if answer.status == 503 || answer.status == 429 => answer
+                    .retry_after
+                    .unwrap_or(Duration::from_secs(1))
+                    .max(Duration::from_millis(100)),
+                Ok(_) => Duration::ZERO,
+                Err(_) => Duration::from_secs(1),
+            };
+            let settled = outcome.is_ok() && pause.is_zero();
+            attempts.push(Attempt {
+                sent_at,
+                answered_at: Instant::now(),
+                outcome,
+            });
+            if settled || Instant::now() + pause > deadline {
+                return attempts;
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
     /// Cuts the stream; returns the report id.
     pub async fn cut(&self, stream: &str) -> String {
         let response = self
@@ -472,6 +625,36 @@ impl ApiProcess {
     }
 }
 
+/// One attempt of [`ApiProcess::send_until_accepted`].
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub sent_at: Instant,
+    pub answered_at: Instant,
+    pub outcome: Result<Answer, NoAnswer>,
+}
+
+impl Attempt {
+    pub fn accepted(&self) -> bool {
+        matches!(&self.outcome, Ok(answer) if answer.status == 200)
+    }
+}
+
+/// A request that got no answer: the client's timeout, or no connection.
+#[derive(Debug, Clone)]
+pub struct NoAnswer {
+    pub timed_out: bool,
+    pub message: String,
+}
+
+/// An answer of the API: its status, its `Retry-After` (whole seconds, as
+/// the API sends it) and its JSON body (`Null` if none).
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub retry_after: Option<Duration>,
+    pub body: Value,
+}
+
 impl Drop for ApiProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -484,6 +667,16 @@ pub struct WorkerProcess {
 }
 
 impl WorkerProcess {
+    /// The process id (for /proc/<pid>/status).
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `Some(exit status)` once the process has exited, `None` while it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+
     pub fn kill(&mut self) {
         self.child.kill().expect("SIGKILL");
         self.child.wait().expect("reap");

@@ -1,12 +1,13 @@
 //! S3 helpers for the integration tests: settings from the running local
 //! stack, a bucket per test that deletes itself with everything in it, and a
-//! fault-injecting proxy in front of the real server.
+//! fault-injecting proxy in front of the real server (chosen UploadPart
+//! requests, or every request by a mode switched while it runs).
 //!
 //! Nothing here skips: a test that needs S3 and cannot reach it fails, with a
 //! message that says how to start the stack.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use quire_config::S3Settings;
@@ -38,6 +39,7 @@ pub fn s3_settings() -> S3Settings {
         endpoint: variable("QUIRE_S3__ENDPOINT"),
         region: variable("QUIRE_S3__REGION"),
         bucket: variable("QUIRE_S3__BUCKET"),
+        ..quire_config::defaults().s3
     }
 }
 
@@ -268,14 +270,31 @@ async fn delete_bucket_and_contents(client: Client, name: String) -> Result<(), 
     Ok(())
 }
 
-/// What the proxy does to an UploadPart request it was told to fail.
+/// What the proxy does to a request it was told to fail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// Reads the request and answers 503 ServiceUnavailable (S3's XML error),
     /// without forwarding it.
     ServiceUnavailable,
+    /// Reads the request and answers 500 InternalError, without forwarding it.
+    InternalError,
     /// Resets the connection (TCP RST) after the request line and headers.
     ResetConnection,
+}
+
+/// What the proxy does to every request (after the UploadPart rule, which
+/// wins), switched with [`FaultProxy::set_mode`] while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Every request is forwarded.
+    PassThrough,
+    /// About `percent` of the requests, drawn at random, fail with `fault`.
+    Failing { fault: Fault, percent: u32 },
+    /// Every request waits `delay` before it is forwarded.
+    Slow { delay: Duration },
+    /// Every request fails: new connections are reset as soon as they are
+    /// accepted, open ones at their next request, as if the server were gone.
+    Down,
 }
 
 /// An UploadPart request as the proxy sees it.
@@ -289,14 +308,18 @@ pub struct UploadPartSeen {
 type FaultRule = dyn Fn(UploadPartSeen) -> Option<Fault> + Send + Sync;
 
 /// A small HTTP/1.1 proxy in front of the real S3 server that fails chosen
-/// UploadPart requests. Everything else is forwarded byte for byte, the Host
-/// header included, so SigV4 signatures (made for the proxy's address) stay
-/// valid. Requests are framed by Content-Length, as the SDK sends them.
+/// UploadPart requests, and any request as its [`ProxyMode`] says (errors on
+/// a share, delays, resets, down). Everything else is forwarded byte for
+/// byte, the Host header included, so SigV4 signatures (made for the proxy's
+/// address) stay valid. Requests are framed by Content-Length, as the SDK
+/// sends them.
 pub struct FaultProxy {
     /// `http://127.0.0.1:<port>`: use it as the S3 endpoint.
     pub endpoint: String,
     upload_parts_seen: Arc<AtomicU32>,
     faults_injected: Arc<AtomicU32>,
+    requests_seen: Arc<AtomicU32>,
+    mode: Arc<Mutex<ProxyMode>>,
     accept_task: JoinHandle<()>,
 }
 
@@ -316,11 +339,15 @@ impl FaultProxy {
         let endpoint = format!("http://{}", listener.local_addr().expect("proxy address"));
         let upload_parts_seen = Arc::new(AtomicU32::new(0));
         let faults_injected = Arc::new(AtomicU32::new(0));
+        let requests_seen = Arc::new(AtomicU32::new(0));
+        let mode = Arc::new(Mutex::new(ProxyMode::PassThrough));
         let shared = Arc::new(ProxyState {
             upstream,
             rule: Box::new(rule),
             upload_parts_seen: upload_parts_seen.clone(),
             faults_injected: faults_injected.clone(),
+            requests_seen: requests_seen.clone(),
+            mode: mode.clone(),
         });
         let accept_task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -331,8 +358,26 @@ impl FaultProxy {
             endpoint,
             upload_parts_seen,
             faults_injected,
+            requests_seen,
+            mode,
             accept_task,
         }
+    }
+
+    /// A proxy that forwards everything until [`FaultProxy::set_mode`] says
+    /// otherwise.
+    pub async fn switchable(upstream_endpoint: &str) -> FaultProxy {
+        Self::start(upstream_endpoint, |_| None).await
+    }
+
+    /// What the proxy does to the requests that arrive from now on.
+    pub fn set_mode(&self, mode: ProxyMode) {
+        *self.mode.lock().expect("proxy mode") = mode;
+    }
+
+    /// Requests seen so far, of any kind (failed or forwarded).
+    pub fn requests_seen(&self) -> u32 {
+        self.requests_seen.load(Ordering::SeqCst)
     }
 
     /// UploadPart requests seen so far (failed or forwarded).
@@ -357,9 +402,28 @@ struct ProxyState {
     rule: Box<FaultRule>,
     upload_parts_seen: Arc<AtomicU32>,
     faults_injected: Arc<AtomicU32>,
+    requests_seen: Arc<AtomicU32>,
+    mode: Arc<Mutex<ProxyMode>>,
+}
+
+impl ProxyState {
+    fn mode(&self) -> ProxyMode {
+        *self.mode.lock().expect("proxy mode")
+    }
+}
+
+/// True for about `percent` of the calls.
+fn drawn(percent: u32) -> bool {
+    (uuid::Uuid::new_v4().as_u128() % 100) < u128::from(percent)
 }
 
 async fn proxy_connection(client: TcpStream, state: Arc<ProxyState>) {
+    if state.mode() == ProxyMode::Down {
+        state.faults_injected.fetch_add(1, Ordering::SeqCst);
+        // A zero linger turns the close into a reset.
+        let _ = client.set_zero_linger();
+        return;
+    }
     let Ok(upstream) = TcpStream::connect(&state.upstream).await else {
         return;
     };
@@ -482,13 +546,24 @@ async fn forward_requests(
             return;
         }
         let body_length = head.content_length.unwrap_or(0);
-        let fault = upload_part_number(&head).and_then(|part_number| {
+        state.requests_seen.fetch_add(1, Ordering::SeqCst);
+        let ruled = upload_part_number(&head).and_then(|part_number| {
             let ordinal = state.upload_parts_seen.fetch_add(1, Ordering::SeqCst) + 1;
             (state.rule)(UploadPartSeen {
                 ordinal,
                 part_number,
             })
         });
+        let fault = match (ruled, state.mode()) {
+            (Some(fault), _) => Some(fault),
+            (None, ProxyMode::PassThrough) => None,
+            (None, ProxyMode::Failing { fault, percent }) => drawn(percent).then_some(fault),
+            (None, ProxyMode::Slow { delay }) => {
+                tokio::time::sleep(delay).await;
+                None
+            }
+            (None, ProxyMode::Down) => Some(Fault::ResetConnection),
+        };
         match fault {
             None => {
                 if upstream_write.write_all(&head.raw).await.is_err() {
@@ -500,14 +575,21 @@ async fn forward_requests(
                     _ => return,
                 }
             }
-            Some(Fault::ServiceUnavailable) => {
+            Some(fault @ (Fault::ServiceUnavailable | Fault::InternalError)) => {
                 state.faults_injected.fetch_add(1, Ordering::SeqCst);
                 let mut body = (&mut reader).take(body_length);
                 let _ = tokio::io::copy(&mut body, &mut tokio::io::sink()).await;
-                let error = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>ServiceUnavailable</Code>\
-                             <Message>injected by the test proxy</Message></Error>";
+                let (status_line, code) = if fault == Fault::ServiceUnavailable {
+                    ("503 Service Unavailable", "ServiceUnavailable")
+                } else {
+                    ("500 Internal Server Error", "InternalError")
+                };
+                let error = format!(
+                    "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+                     <Message>injected by the test proxy</Message></Error>"
+                );
                 let answer = format!(
-                    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n\
+                    "HTTP/1.1 {status_line}\r\nContent-Type: application/xml\r\n\
                      Content-Length: {}\r\nConnection: close\r\n\r\n{error}",
                     error.len()
                 );

@@ -1,7 +1,13 @@
 //! Integration tests against the real Kafka broker and S3 server of the local
 //! stack (`deploy/local/stack up`). One test binary; one module per feature.
 
+mod api;
 mod compose;
+mod dashboard;
+mod faults;
 mod pipeline;
 mod queue;
+mod reports;
+mod soak;
+mod worker_ops;
 mod writer;

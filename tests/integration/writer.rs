@@ -272,6 +272,13 @@ async fn dropping_without_finish_aborts_the_upload_in_the_background() {
         "the spawned abort did not happen"
     );
     assert_eq!(bucket.size(key).await, None, "no object");
+    // The server may list the upload as gone a moment before the abort's
+    // answer reaches the spawned task that counts it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while handle.counters().snapshot().uploads_aborted == 0 && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(handle.counters().snapshot().uploads_aborted, 1);
     assert_nothing_left_behind(bucket).await;
 }

@@ -1,0 +1,799 @@
+//! The producer API under real use, against the real binaries, Kafka and
+//! S3: `Idempotency-Key` (replays publish nothing, a reused key is 422, an
+//! invalid one 400), the in-flight byte limit (429, never a queue), the
+//! OpenAPI document against the routes the API serves, and the `quire` CLI
+//! end to end, a resumed send included.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use quire_tests::pipeline::{Report, TestStack, records};
+use quire_tests::{read_all, unique};
+use serde_json::{Value, json};
+
+const OPENAPI_YAML: &str = include_str!("../../services/producer-api/openapi.yaml");
+const RECORDS_PARTITIONS: i32 = 12;
+
+/// A producer API started from the release binary with extra settings.
+struct Api {
+    child: Child,
+    base: String,
+    port: u16,
+    http: reqwest::Client,
+}
+
+impl Api {
+    async fn start(stack: &TestStack, extra: &[(&str, &str)]) -> Api {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let mut command = Command::new(release_binary("producer-api"));
+        command
+            .envs(stack.environment())
+            .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
+            .env(
+                "RUST_LOG",
+                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null());
+        for (key, value) in extra {
+            command.env(key, value);
+        }
+        let api = Api {
+            child: command.spawn().expect("start producer-api"),
+            base: format!("http://127.0.0.1:{port}"),
+            port,
+            http: reqwest::Client::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(response) = api.http.get(api.url("/healthz")).send().await
+                && response.status().is_success()
+            {
+                return api;
+            }
+            assert!(Instant::now() < deadline, "producer-api did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body` (JSON) with an optional key; status, headers, body.
+    async fn post(
+        &self,
+        path: &str,
+        body: &Value,
+        key: Option<&[u8]>,
+    ) -> (u16, reqwest::header::HeaderMap, Value) {
+        let mut request = self.http.post(self.url(path)).json(body);
+        if let Some(key) = key {
+            request = request.header(
+                "idempotency-key",
+                reqwest::header::HeaderValue::from_bytes(key).expect("header value"),
+            );
+        }
+        let response = request.send().await.expect("POST");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        (
+            status,
+            headers,
+            response.json().await.unwrap_or(Value::Null),
+        )
+    }
+
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let text = self
+            .http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        text.lines()
+            .find_map(|line| line.strip_prefix(&format!("{name} ")))
+            .and_then(|value| value.trim().parse().ok())
+    }
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn release_binary(name: &str) -> PathBuf {
+    let binary = std::env::current_exe()
+        .expect("test binary path")
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target directory")
+        .join(name);
+    assert!(
+        binary.exists(),
+        "{} is not built: cargo build --release -p producer-api -p report-generator -p quire-cli",
+        binary.display()
+    );
+    binary
+}
+
+/// Every committed message on the stack's records topic, as JSON, keyed by
+/// stream.
+fn committed_bodies(stack: &TestStack, stream: &str) -> Vec<Value> {
+    read_all(
+        &stack.kafka,
+        &stack.topics.records,
+        RECORDS_PARTITIONS,
+        true,
+    )
+    .into_iter()
+    .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
+    .map(|message| serde_json::from_slice(&message.payload).expect("JSON message"))
+    .collect()
+}
+
+fn sequence_numbers(bodies: &[Value]) -> Vec<u64> {
+    bodies
+        .iter()
+        .filter_map(|body| body["seq"].as_u64())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_retried_array_is_answered_once_and_published_once() {
+    let stack = TestStack::create("api-idem").await;
+    let api = Api::start(&stack, &[]).await;
+    let stream = unique("idem");
+    let path = format!("/v1/streams/{stream}/records");
+    let array = json!(records(&stream, 0, 25));
+
+    let (status, headers, first) = api.post(&path, &array, Some(b"key-1")).await;
+    assert_eq!(status, 200, "{first}");
+    assert!(headers.get("idempotent-replayed").is_none());
+    let (status, headers, again) = api.post(&path, &array, Some(b"key-1")).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, first, "a replay gets the first answer, ids included");
+
+    // The same key for another body is refused, and publishes nothing.
+    let other = json!(records(&stream, 100, 3));
+    let (status, headers, refused) = api.post(&path, &other, Some(b"key-1")).await;
+    assert_eq!(status, 422, "{refused}");
+    assert_eq!(refused["error"]["code"], "idempotency_key_reused");
+    assert!(headers.get("idempotent-replayed").is_none());
+    // The same key on another stream is another key.
+    let other_stream = unique("idem-other");
+    let (status, headers, _) = api
+        .post(
+            &format!("/v1/streams/{other_stream}/records"),
+            &json!(records(&other_stream, 0, 1)),
+            Some(b"key-1"),
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("idempotent-replayed").is_none());
+
+    let published = sequence_numbers(&committed_bodies(&stack, &stream));
+    assert_eq!(published, (0..25).collect::<Vec<_>>(), "the array once");
+    assert_eq!(
+        api.metric("quire_api_idempotent_replays_total").await,
+        Some(1.0)
+    );
+}
+
+#[tokio::test]
+async fn a_retried_cut_is_one_marker_with_one_report_id() {
+    let stack = TestStack::create("api-cut").await;
+    let api = Api::start(&stack, &[]).await;
+    let stream = unique("cut");
+    let path = format!("/v1/streams/{stream}/reports");
+    let (status, headers, first) = api.post(&path, &Value::Null, Some(b"cut-1")).await;
+    assert_eq!(status, 202, "{first}");
+    let location = headers["location"].clone();
+    let (status, headers, again) = api.post(&path, &Value::Null, Some(b"cut-1")).await;
+    assert_eq!(status, 202, "{again}");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers["location"], location);
+    assert_eq!(again["report_id"], first["report_id"]);
+    assert_eq!(committed_bodies(&stack, &stream).len(), 1, "one cut marker");
+
+    // Without a key, every cut is a cut.
+    let (status, _, second) = api.post(&path, &Value::Null, None).await;
+    assert_eq!(status, 202);
+    assert_ne!(second["report_id"], first["report_id"]);
+    assert_eq!(committed_bodies(&stack, &stream).len(), 2);
+}
+
+#[tokio::test]
+async fn invalid_idempotency_keys_are_400_and_publish_nothing() {
+    let stack = TestStack::create("api-keys").await;
+    let api = Api::start(&stack, &[]).await;
+    let stream = unique("keys");
+    let path = format!("/v1/streams/{stream}/records");
+    let array = json!(records(&stream, 0, 2));
+    let too_long = vec![b'k'; 256];
+    for key in [&b""[..], b"has space", "é".as_bytes(), &too_long] {
+        let (status, _, body) = api.post(&path, &array, Some(key)).await;
+        assert_eq!(status, 400, "{key:?}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_idempotency_key");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Idempotency-Key"),
+            "{body}"
+        );
+    }
+    let longest = vec![b'k'; 255];
+    let (status, _, body) = api.post(&path, &array, Some(&longest)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        sequence_numbers(&committed_bodies(&stack, &stream)),
+        vec![0, 1]
+    );
+}
+
+/// A `POST .../records` of exactly `length` bytes.
+fn body_of_length(stream: &str, seq: u64, length: usize) -> Vec<u8> {
+    let empty = serde_json::to_vec(&json!([{"stream": stream, "seq": seq, "pad": ""}])).unwrap();
+    assert!(empty.len() <= length);
+    let pad = "x".repeat(length - empty.len());
+    let body = serde_json::to_vec(&json!([{"stream": stream, "seq": seq, "pad": pad}])).unwrap();
+    assert_eq!(body.len(), length);
+    body
+}
+
+#[tokio::test]
+async fn a_request_that_does_not_fit_in_flight_is_429_and_never_queued() {
+    let stack = TestStack::create("api-busy").await;
+    let api = Api::start(
+        &stack,
+        &[
+            ("QUIRE_API__MAX_IN_FLIGHT_BYTES", "4096"),
+            ("QUIRE_API__MAX_BODY_BYTES", "4096"),
+        ],
+    )
+    .await;
+    let stream = unique("busy");
+    let path = format!("/v1/streams/{stream}/records");
+    let slow_body = body_of_length(&stream, 0, 3000);
+
+    // A client that has sent its headers and half its body holds its
+    // declared 3000 bytes while the API waits for the rest.
+    let mut slow = TcpStream::connect(("127.0.0.1", api.port)).expect("connect");
+    write!(
+        slow,
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 3000\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    slow.write_all(&slow_body[..1500]).unwrap();
+    slow.flush().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while api.metric("quire_api_in_flight_bytes").await != Some(3000.0) {
+        assert!(Instant::now() < deadline, "the slow request holds no bytes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // 2000 more do not fit in 4096: refused at once, not queued.
+    let second = body_of_length(&stream, 1, 2000);
+    let response = api
+        .http
+        .post(api.url(&path))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "busy-1")
+        .body(second.clone())
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status().as_u16(), 429);
+    assert_eq!(response.headers()["retry-after"], "1");
+    let refused: Value = response.json().await.unwrap();
+    assert_eq!(refused["error"]["code"], "too_busy");
+    assert_eq!(refused["error"]["limit"], 4096);
+
+    // The slow request completes and gives its bytes back.
+    slow.write_all(&slow_body[1500..]).unwrap();
+    let mut answer = String::new();
+    slow.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(api.metric("quire_api_in_flight_bytes").await, Some(0.0));
+
+    // The refused request, sent again with the same key, is let in: the 429
+    // was not remembered.
+    let response = api
+        .http
+        .post(api.url(&path))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "busy-1")
+        .body(second)
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.headers().get("idempotent-replayed").is_none());
+    assert_eq!(
+        sequence_numbers(&committed_bodies(&stack, &stream)),
+        vec![0, 1]
+    );
+    let busy_answers = api
+        .metric(
+            r#"quire_api_http_requests_total{method="POST",route="/v1/streams/{stream}/records",status="429"}"#,
+        )
+        .await;
+    assert_eq!(busy_answers, Some(1.0));
+}
+
+#[tokio::test]
+async fn a_body_that_stops_arriving_is_408_and_gives_its_bytes_back() {
+    let stack = TestStack::create("api-slow-body").await;
+    let api = Api::start(&stack, &[("QUIRE_API__BODY_READ_TIMEOUT_MS", "1000")]).await;
+    let stream = unique("slow-body");
+    let path = format!("/v1/streams/{stream}/records");
+    let body = body_of_length(&stream, 0, 3000);
+
+    // Headers and half the body, then nothing: the API stops waiting.
+    let mut slow = TcpStream::connect(("127.0.0.1", api.port)).expect("connect");
+    write!(
+        slow,
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 3000\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    slow.write_all(&body[..1500]).unwrap();
+    slow.flush().unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut answer = String::new();
+    slow.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+    assert_eq!(api.metric("quire_api_in_flight_bytes").await, Some(0.0));
+    assert!(committed_bodies(&stack, &stream).is_empty());
+}
+
+/// Every documented operation: (METHOD, path template) -> statuses listed.
+fn documented_operations(document: &Value) -> BTreeMap<(String, String), BTreeSet<u16>> {
+    let mut operations = BTreeMap::new();
+    for (path, item) in document["paths"].as_object().expect("paths") {
+        for (method, operation) in item.as_object().expect("path item") {
+            let statuses = operation["responses"]
+                .as_object()
+                .expect("responses")
+                .keys()
+                .map(|status| status.parse().expect("numeric status"))
+                .collect();
+            operations.insert((method.to_uppercase(), path.clone()), statuses);
+        }
+    }
+    operations
+}
+
+#[tokio::test]
+async fn the_openapi_document_is_served_and_matches_the_routes() {
+    let stack = TestStack::create("api-openapi").await;
+    let api = Api::start(&stack, &[]).await;
+
+    let served_yaml = api
+        .http
+        .get(api.url("/openapi.yaml"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        served_yaml, OPENAPI_YAML,
+        "the served document is the embedded one"
+    );
+    let document: Value = serde_norway::from_str(OPENAPI_YAML).expect("YAML");
+    let served_json: Value = api
+        .http
+        .get(api.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(served_json, document);
+    assert_eq!(document["openapi"], "3.1.0");
+
+    let operations = documented_operations(&document);
+    let stream = unique("doc");
+    // A pending report id to look at.
+    let (status, _, cut) = api
+        .post(&format!("/v1/streams/{stream}/reports"), &Value::Null, None)
+        .await;
+    assert_eq!(status, 202);
+    let report_id = cut["report_id"].as_str().unwrap().to_owned();
+
+    // For each operation: a valid request and a deliberately invalid one
+    // (a bad stream name or report id where the path has one).
+    let mut exercised = BTreeSet::new();
+    for ((method, template), statuses) in &operations {
+        let mut attempts = vec![(
+            template
+                .replace("{stream}", &stream)
+                .replace("{id}", &report_id),
+            "valid",
+        )];
+        if template.contains('{') {
+            attempts.push((
+                template
+                    .replace("{stream}", "-bad-name")
+                    .replace("{id}", "not-a-report-id"),
+                "invalid",
+            ));
+        }
+        for (path, kind) in attempts {
+            let url = api.url(&path);
+            let request = match method.as_str() {
+                "GET" => api.http.get(url),
+                "POST" if template.ends_with("/records") => {
+                    api.http.post(url).json(&records(&stream, 0, 2))
+                }
+                "POST" => api.http.post(url),
+                "PUT" => api
+                    .http
+                    .put(url)
+                    .json(&json!({"root": "doc", "gzip": true})),
+                other => panic!("undocumented method {other} in the test"),
+            };
+            let response = request.send().await.expect("request");
+            let status = response.status().as_u16();
+            let body = response.text().await.unwrap_or_default();
+            assert!(
+                !body.contains("\"code\":\"not_found\"")
+                    && !body.contains("\"code\":\"method_not_allowed\""),
+                "{method} {template} is documented but not served: {body}"
+            );
+            assert!(
+                statuses.contains(&status),
+                "{method} {path} ({kind}) answered {status}, which the document does not list for it ({statuses:?}): {body}"
+            );
+        }
+        exercised.insert((method.clone(), template.clone()));
+    }
+    assert_eq!(exercised.len(), operations.len());
+
+    // Methods the document does not list on a documented path are not served.
+    for template in operations
+        .keys()
+        .map(|(_, template)| template.clone())
+        .collect::<BTreeSet<_>>()
+    {
+        let path = template
+            .replace("{stream}", &stream)
+            .replace("{id}", &report_id);
+        for method in ["GET", "POST", "PUT", "DELETE", "PATCH"] {
+            if operations.contains_key(&(method.to_owned(), template.clone())) {
+                continue;
+            }
+            let response = api
+                .http
+                .request(method.parse().unwrap(), api.url(&path))
+                .send()
+                .await
+                .expect("request");
+            assert_eq!(
+                response.status().as_u16(),
+                405,
+                "{method} {template} is served but not documented"
+            );
+        }
+    }
+}
+
+/// Runs the `quire` binary against `api`; its exit code and stdout.
+fn quire(api: &Api, arguments: &[&str]) -> (i32, String, String) {
+    let output = Command::new(release_binary("quire"))
+        .arg("--api")
+        .arg(&api.base)
+        .args(arguments)
+        .env_remove("QUIRE_API_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run quire");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Cuts with the CLI, waits for the report, downloads it with the CLI and
+/// returns its records' sequence numbers, sorted.
+async fn cut_and_fetch(api: &Api, stream: &str, directory: &std::path::Path) -> Vec<u64> {
+    let (code, stdout, stderr) = quire(api, &["cut", "-s", stream, "--json"]);
+    assert_eq!(code, 0, "quire cut: {stderr}");
+    let cut: Value = serde_json::from_str(stdout.trim()).expect("cut JSON");
+    let report_id = cut["report_id"].as_str().expect("report id").to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, stdout, stderr) = quire(api, &["status", &report_id, "--json"]);
+        assert_eq!(code, 0, "quire status: {stderr}");
+        let status: Value = serde_json::from_str(stdout.trim()).expect("status JSON");
+        if status["status"] == "completed" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "report {report_id} still {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let output = directory.join(format!("{stream}.xml"));
+    let (code, _, stderr) = quire(api, &["get", &report_id, "-o", output.to_str().unwrap()]);
+    assert_eq!(code, 0, "quire get: {stderr}");
+    let report = Report {
+        manifest: json!({}),
+        document: std::fs::read(&output).expect("downloaded report"),
+    };
+    let mut seqs: Vec<u64> = report
+        .records()
+        .iter()
+        .map(|record| record["seq"].parse().expect("seq"))
+        .collect();
+    seqs.sort_unstable();
+    seqs
+}
+
+#[tokio::test]
+async fn the_cli_sends_cuts_and_gets_and_a_resumed_send_is_not_doubled() {
+    let stack = TestStack::create("api-cli").await;
+    let api = Api::start(&stack, &[]).await;
+    let mut worker = stack.spawn_worker("cli-worker", &[], false);
+    let directory = std::env::temp_dir().join(unique("quire-cli-test"));
+    std::fs::create_dir_all(&directory).unwrap();
+
+    // A plain send: 250 records in arrays of 100.
+    let stream = unique("cli");
+    let file = directory.join("records.ndjson");
+    let mut text = String::new();
+    for record in records(&stream, 0, 250) {
+        text.push_str(&serde_json::to_string(&record).unwrap());
+        text.push('\n');
+    }
+    std::fs::write(&file, &text).unwrap();
+    let (code, stdout, stderr) = quire(
+        &api,
+        &[
+            "send",
+            "-s",
+            &stream,
+            file.to_str().unwrap(),
+            "--array",
+            "100",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "quire send: {stderr}");
+    let summary: Value = serde_json::from_str(stdout.trim()).expect("send JSON");
+    assert_eq!(summary["records"], 250);
+    assert_eq!(summary["arrays"], 3);
+    assert_eq!(
+        cut_and_fetch(&api, &stream, &directory).await,
+        (0..250).collect::<Vec<_>>()
+    );
+
+    // A send killed after the API accepted its first array but before the
+    // progress file said so: the file says 0 records, the API has array 0
+    // under the send's key. `--resume` sends array 0 again with that key.
+    let resumed = unique("cli-resume");
+    let resumed_file = directory.join("resumed.ndjson");
+    let lines: Vec<String> = records(&resumed, 0, 250)
+        .iter()
+        .map(|record| serde_json::to_string(record).unwrap())
+        .collect();
+    std::fs::write(&resumed_file, lines.join("\n") + "\n").unwrap();
+    let run_id = "0123456789abcdef0123456789abcdef";
+    let progress_file = PathBuf::from(format!("{}.quire-progress", resumed_file.display()));
+    std::fs::write(
+        &progress_file,
+        serde_json::to_vec(&json!({
+            "v": 1,
+            "stream": resumed,
+            "file": resumed_file.to_str().unwrap(),
+            "format": "ndjson",
+            "records": 0,
+            "offset": 0,
+            "run_id": run_id,
+            "array_size": 100,
+            "max_request_bytes": 8 * 1024 * 1024,
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let first_array = lines[..100].join("\n") + "\n";
+    let response = api
+        .http
+        .post(api.url(&format!("/v1/streams/{resumed}/records")))
+        .header("content-type", "application/x-ndjson")
+        .header("idempotency-key", format!("quire-send-{run_id}-0"))
+        .body(first_array)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let (code, stdout, stderr) = quire(
+        &api,
+        &[
+            "send",
+            "-s",
+            &resumed,
+            resumed_file.to_str().unwrap(),
+            "--resume",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "quire send --resume: {stderr}");
+    let summary: Value = serde_json::from_str(stdout.trim()).expect("send JSON");
+    assert_eq!(summary["records_total"], 250);
+    assert!(
+        !progress_file.exists(),
+        "the progress file is removed at the end"
+    );
+    assert_eq!(
+        api.metric("quire_api_idempotent_replays_total").await,
+        Some(1.0)
+    );
+    assert_eq!(
+        sequence_numbers(&committed_bodies(&stack, &resumed)),
+        (0..250).collect::<Vec<_>>(),
+        "every record once in the log"
+    );
+    assert_eq!(
+        cut_and_fetch(&api, &resumed, &directory).await,
+        (0..250).collect::<Vec<_>>(),
+        "every record exactly once in the report"
+    );
+
+    worker.kill();
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// POSTs an array; status, `Retry-After`, error code.
+async fn post_array(
+    api: &Api,
+    stream: &str,
+    first: u64,
+    key: &str,
+) -> (u16, Option<String>, Value) {
+    let response = api
+        .http
+        .post(api.url(&format!("/v1/streams/{stream}/records")))
+        .header("idempotency-key", key)
+        .json(&records(stream, first, 10))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .expect("an answer");
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .map(|value| value.to_str().unwrap().to_owned());
+    (
+        status,
+        retry_after,
+        response.json().await.unwrap_or(Value::Null),
+    )
+}
+
+#[tokio::test]
+async fn while_kafka_is_away_publishing_is_503_at_once_and_the_api_recovers_alone() {
+    let mut broker =
+        tokio::task::spawn_blocking(quire_tests::kafka_process::KafkaProcess::start_new)
+            .await
+            .unwrap();
+    let stack = TestStack::create_on("api-away", &broker).await;
+    let api = Api::start(&stack, &[]).await;
+    let stream = unique("away");
+    let (status, _, before) = post_array(&api, &stream, 0, "before").await;
+    assert_eq!(status, 200, "{before}");
+
+    broker.kill();
+    let killed = Instant::now();
+    let refused = loop {
+        let (status, retry_after, body) = post_array(&api, &stream, 100, "during").await;
+        if status == 503 && body["error"]["code"] == "kafka_unavailable" {
+            assert_eq!(retry_after.as_deref(), Some("1"));
+            break killed.elapsed();
+        }
+        assert!(
+            status == 503 || status == 200,
+            "while kafka goes away: {status} {body}"
+        );
+        assert!(killed.elapsed() < Duration::from_secs(60), "never refused");
+    };
+    // Refused at once from then on, and the 503 was not remembered.
+    let asked = Instant::now();
+    let (status, _, body) = post_array(&api, &stream, 100, "during").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "a 503 must not wait for kafka"
+    );
+    // A replay needs no Kafka.
+    let (status, _, replayed) = post_array(&api, &stream, 0, "before").await;
+    assert_eq!(status, 200);
+    assert_eq!(replayed, before);
+    let (status, readiness) = {
+        let response = api.http.get(api.url("/readyz")).send().await.unwrap();
+        (
+            response.status().as_u16(),
+            response.json::<Value>().await.unwrap(),
+        )
+    };
+    assert_eq!(status, 503);
+    assert_eq!(readiness["checks"]["kafka"]["ok"], false, "{readiness}");
+    assert_eq!(api.metric("quire_api_kafka_available").await, Some(0.0));
+
+    let broker = tokio::task::spawn_blocking(move || {
+        broker.start();
+        broker
+    })
+    .await
+    .unwrap();
+    let restarted = Instant::now();
+    let recovered = loop {
+        let (status, _, body) = post_array(&api, &stream, 100, "during").await;
+        if status == 200 {
+            break restarted.elapsed();
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            restarted.elapsed() < Duration::from_secs(120),
+            "the API did not recover: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!(
+        "503 {refused:?} after the broker died; accepted again {recovered:?} after it was back"
+    );
+    // The refused arrays' transactions end (aborted) when the unusable
+    // producer's replacement fences it, or at the transaction timeout; until
+    // then read_committed readers wait at them.
+    let expected: Vec<u64> = (0..10).chain(100..110).collect();
+    let settled = Instant::now();
+    loop {
+        let topic = stack.topics.records.clone();
+        let settings = broker.settings();
+        let mut published: Vec<u64> = tokio::task::spawn_blocking(move || {
+            read_all(&settings, &topic, RECORDS_PARTITIONS, true)
+        })
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|message| serde_json::from_slice::<Value>(&message.payload).ok())
+        .filter_map(|body| body["seq"].as_u64())
+        .collect();
+        published.sort_unstable();
+        eprintln!(
+            "read {} records {:?} after recovery",
+            published.len(),
+            settled.elapsed()
+        );
+        if published.len() >= expected.len() || settled.elapsed() > Duration::from_secs(30) {
+            assert_eq!(
+                published, expected,
+                "each accepted array once, nothing of the refused ones"
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(api);
+    drop(broker);
+}

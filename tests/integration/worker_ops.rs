@@ -1,0 +1,255 @@
+//! Operating the report generator: its metrics, health and readiness
+//! endpoints, against the real Kafka and S3 server, with the real binaries.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use quire_tests::pipeline::{TestStack, records};
+use quire_tests::unique;
+
+const LONG: Duration = Duration::from_secs(90);
+
+/// The samples of a Prometheus / OpenMetrics text exposition:
+/// `name{labels}` -> value.
+fn parse_exposition(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            Some((series.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The samples of one metric family: its series' labels (`{...}`, or the
+/// empty string) -> value.
+fn family(samples: &BTreeMap<String, f64>, name: &str) -> BTreeMap<String, f64> {
+    samples
+        .iter()
+        .filter_map(|(series, value)| {
+            let labels = series.strip_prefix(name)?;
+            (labels.is_empty() || labels.starts_with('{')).then(|| (labels.to_owned(), *value))
+        })
+        .collect()
+}
+
+async fn get(http: &reqwest::Client, url: &str) -> (u16, String) {
+    match http.get(url).send().await {
+        Ok(response) => (
+            response.status().as_u16(),
+            response.text().await.unwrap_or_default(),
+        ),
+        Err(error) => (0, error.to_string()),
+    }
+}
+
+/// Polls `url` until `done(status, body)` holds (bounded); the last answer.
+async fn wait_until(
+    http: &reqwest::Client,
+    url: &str,
+    what: &str,
+    done: impl Fn(u16, &str) -> bool,
+) -> (u16, String) {
+    let deadline = Instant::now() + LONG;
+    loop {
+        let (status, body) = get(http, url).await;
+        if done(status, &body) {
+            return (status, body);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: last answer {status}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_reports_records_reports_and_lag_and_answers_health_checks() {
+    let stack = TestStack::create("ops-metrics").await;
+    let api = stack.start_api().await;
+    let (mut worker, base) = stack.spawn_monitored_worker(
+        "ops-1",
+        &[("QUIRE_WORKER__STATISTICS_INTERVAL_MS", "300")],
+        false,
+    );
+    let http = reqwest::Client::new();
+
+    let (status, body) = get(&http, &format!("{base}/healthz")).await;
+    assert_eq!(status, 200, "healthz: {body}");
+    // Ready once it holds its assignment (all 12 partitions: it is alone).
+    let (_, body) = wait_until(
+        &http,
+        &format!("{base}/readyz"),
+        "readiness",
+        |status, _| status == 200,
+    )
+    .await;
+    let readiness: serde_json::Value = serde_json::from_str(&body).expect("readyz JSON");
+    assert_eq!(readiness["status"], "ready");
+    assert_eq!(readiness["partitions"], 12, "{body}");
+
+    let streams: Vec<String> = (0..3)
+        .map(|n| {
+            format!(
+                "ops-{n}-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            )
+        })
+        .collect();
+    let mut sent = BTreeMap::new();
+    for stream in &streams {
+        api.send_ok(stream, &records(stream, 0, 40)).await;
+        api.send_ok(stream, &records(stream, 40, 20)).await;
+        api.cut(stream).await;
+        sent.insert(stream.clone(), (0..60).collect::<Vec<u64>>());
+    }
+    let observed = stack
+        .wait_for("three reports", LONG, |observed| {
+            observed.reports.len() == 3
+        })
+        .await;
+    observed.assert_exactly_once(&sent);
+
+    // The counters follow committed arrays; the lag follows librdkafka's
+    // statistics (every 300 ms here): wait until both have caught up.
+    let metrics_url = format!("{base}/metrics");
+    let (_, text) = wait_until(
+        &http,
+        &metrics_url,
+        "metrics to catch up",
+        |status, text| {
+            let samples = parse_exposition(text);
+            let lag = family(&samples, "quire_worker_consumer_lag");
+            status == 200
+                && samples.get("quire_worker_records_total") == Some(&180.0)
+                && lag.len() == 12
+                && lag.values().all(|value| *value == 0.0)
+        },
+    )
+    .await;
+    assert!(
+        text.ends_with("# EOF\n"),
+        "OpenMetrics text ends with # EOF"
+    );
+    let samples = parse_exposition(&text);
+    assert_eq!(
+        samples.get(r#"quire_worker_reports_total{trigger="api"}"#),
+        Some(&3.0),
+        "{text}"
+    );
+    assert_eq!(samples.get("quire_worker_dead_letters_total"), Some(&0.0));
+    assert_eq!(samples.get("quire_worker_open_documents"), Some(&0.0));
+    assert_eq!(samples.get("quire_worker_assigned_partitions"), Some(&12.0));
+    assert_eq!(samples.get("quire_worker_restarts_total"), Some(&0.0));
+    assert!(
+        samples
+            .get("quire_worker_commits_total")
+            .copied()
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{text}"
+    );
+    assert!(
+        samples
+            .get("quire_worker_bytes_uploaded_total")
+            .copied()
+            .unwrap_or(0.0)
+            > 0.0,
+        "the three documents were uploaded: {text}"
+    );
+    assert!(
+        samples
+            .get("quire_worker_array_records_count")
+            .copied()
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    assert!(
+        samples
+            .get(r#"quire_worker_rebalances_total{kind="assigned"}"#)
+            .copied()
+            .unwrap_or(0.0)
+            >= 1.0,
+        "{text}"
+    );
+    let unstable = family(&samples, "quire_worker_last_stable_offset_lag");
+    assert_eq!(unstable.len(), 12, "{text}");
+    assert!(
+        unstable.values().all(|value| *value == 0.0),
+        "no transaction hangs: {unstable:?}"
+    );
+
+    let (status, _) = get(&http, &format!("{base}/healthz")).await;
+    assert_eq!(status, 200);
+    let (exit, _) = worker.terminate(Duration::from_secs(40));
+    assert_eq!(exit, Some(0), "SIGTERM ends the worker cleanly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_session_restarts_by_itself_and_loses_or_doubles_nothing() {
+    let stack = TestStack::create("ops-restart").await;
+    let api = stack.start_api().await;
+    let prefix = unique("test-ops-worker");
+    let (mut worker, base) = stack.spawn_monitored_worker(
+        "ops-r",
+        &[
+            ("QUIRE_WORKER__TRANSACTIONAL_ID_PREFIX", prefix.as_str()),
+            ("QUIRE_WORKER__RESTART_BACKOFF_INITIAL_MS", "200"),
+        ],
+        false,
+    );
+    let http = reqwest::Client::new();
+    let readyz = format!("{base}/readyz");
+    wait_until(&http, &readyz, "readiness", |status, _| status == 200).await;
+
+    let stream = format!("ops-r-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    api.send_ok(&stream, &records(&stream, 0, 30)).await;
+    api.cut(&stream).await;
+    stack
+        .wait_for("the first report", LONG, |observed| {
+            observed.reports.len() == 1
+        })
+        .await;
+
+    // Another producer with the worker's transactional id fences the
+    // worker's producer: its next transaction fails for good, which ends
+    // the session.
+    let intruder =
+        quire_queue::TransactionalProducer::connect(&stack.kafka, &format!("{prefix}-ops-r"))
+            .await
+            .expect("a producer with the worker's transactional id");
+    api.send_ok(&stream, &records(&stream, 30, 30)).await;
+    api.cut(&stream).await;
+
+    let metrics_url = format!("{base}/metrics");
+    wait_until(&http, &metrics_url, "a session restart", |status, text| {
+        let samples = parse_exposition(text);
+        status == 200
+            && samples
+                .get("quire_worker_restarts_total")
+                .is_some_and(|restarts| *restarts >= 1.0)
+    })
+    .await;
+    // Dropping a producer flushes: not on an async worker thread.
+    tokio::task::block_in_place(|| drop(intruder));
+    let observed = stack
+        .wait_for("the second report", LONG, |observed| {
+            observed.reports.len() == 2
+        })
+        .await;
+    observed.assert_exactly_once(&BTreeMap::from([(stream.clone(), (0..60).collect())]));
+    wait_until(
+        &http,
+        &readyz,
+        "readiness after the restart",
+        |status, _| status == 200,
+    )
+    .await;
+    assert!(
+        worker.exited().is_none(),
+        "the worker exited instead of restarting its session"
+    );
+    let (exit, _) = worker.terminate(Duration::from_secs(40));
+    assert_eq!(exit, Some(0), "SIGTERM ends the worker cleanly");
+}
