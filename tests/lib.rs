@@ -259,3 +259,12 @@ pub async fn delete_records_before(
 pub mod kafka_process;
 pub mod pipeline;
 pub mod s3;
+
+/// Prints a test's measured figures (one line, e.g. `soak: ...`) past the
+/// test harness's capture, so they appear in the log of a passing run too:
+/// libtest captures `println!`/`eprintln!`, not writes to the stderr handle.
+pub fn figures(line: &str) {
+    use std::io::Write;
+    let mut stderr = std::io::stderr().lock();
+    let _ = writeln!(stderr, "{line}");
+}

@@ -535,7 +535,10 @@ impl ApiProcess {
                     message: error.to_string(),
                 });
             let pause = match &outcome {
-                Ok(answer) if answer.status == 503 || answer.status == 429 => answer
+                // 409: the first request with this key is still being
+                // handled (its client gave up waiting); its answer comes on a
+                // retry.
+                Ok(answer) if matches!(answer.status, 409 | 429 | 503) => answer
                     .retry_after
                     .unwrap_or(Duration::from_secs(1))
                     .max(Duration::from_millis(100)),

@@ -759,9 +759,9 @@ async fn while_kafka_is_away_publishing_is_503_at_once_and_the_api_recovers_alon
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    eprintln!(
-        "503 {refused:?} after the broker died; accepted again {recovered:?} after it was back"
-    );
+    quire_tests::figures(&format!(
+        "api kafka outage: 503 {refused:?} after the broker died; accepted again {recovered:?} after it was back"
+    ));
     // The refused arrays' transactions end (aborted) when the unusable
     // producer's replacement fences it, or at the transaction timeout; until
     // then read_committed readers wait at them.

@@ -281,14 +281,14 @@ async fn soak_memory_stays_flat_lag_stays_bounded_and_every_record_is_reported_o
         .collect();
     let trend = slope_per_minute(&after_warm_up);
     let max_lag = lag_samples.iter().copied().max().unwrap_or(0);
-    println!(
+    quire_tests::figures(&format!(
         "soak: {seconds} s, {total} records over {STREAMS} streams at {:.0} records/s (target \
          {RATE}), {cuts} timed cuts; worker RSS peak {peak:.1} MiB, second-minute median \
          {baseline:.1} MiB, last-minute median {last:.1} MiB, trend {trend:+.2} MiB/min; max lag \
          {max_lag} (bound {MAX_LAG}), final lag {final_lag}; caught up {catch_up:.1} s after \
          the senders stopped",
         total as f64 / sending_time
-    );
+    ));
 
     assert!(
         last <= baseline + RSS_MARGIN_MIB,
