@@ -229,7 +229,7 @@ impl ApiError {
             ApiError::Publish(
                 QueueError::TopicMismatch(_)
                 | QueueError::ProtectedProperty { .. }
-                | QueueError::CommitOutcomeUnknown(_),
+                | QueueError::CommitOutcomeUnknown { .. },
             )
             | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Publish(_)
@@ -272,7 +272,7 @@ impl ApiError {
             ApiError::TooBusy { .. } => "too_busy",
             ApiError::KafkaUnavailable(_) => "kafka_unavailable",
             ApiError::Publish(QueueError::ProducerFatal(_)) => "producer_unavailable",
-            ApiError::Publish(QueueError::CommitOutcomeUnknown(_)) => "publish_outcome_unknown",
+            ApiError::Publish(QueueError::CommitOutcomeUnknown { .. }) => "publish_outcome_unknown",
             ApiError::Publish(QueueError::EnqueuerStopped) => "shutting_down",
             ApiError::Publish(_) => "publish_failed",
             ApiError::Log(LogError::NotYetStable { .. }) => "report_not_yet_readable",
@@ -511,7 +511,10 @@ mod tests {
                 "kafka_unavailable",
             ),
             (
-                ApiError::Publish(QueueError::CommitOutcomeUnknown(KafkaError::Canceled)),
+                ApiError::Publish(QueueError::CommitOutcomeUnknown {
+                    source: KafkaError::Canceled,
+                    ids: Vec::new(),
+                }),
                 500,
                 "publish_outcome_unknown",
             ),
@@ -532,8 +535,11 @@ mod tests {
             let response = error.into_response();
             assert_eq!(response.headers()[header::RETRY_AFTER], "1");
         }
-        let unknown = ApiError::Publish(QueueError::CommitOutcomeUnknown(KafkaError::Canceled))
-            .into_response();
+        let unknown = ApiError::Publish(QueueError::CommitOutcomeUnknown {
+            source: KafkaError::Canceled,
+            ids: Vec::new(),
+        })
+        .into_response();
         assert!(unknown.headers().get(header::RETRY_AFTER).is_none());
     }
 

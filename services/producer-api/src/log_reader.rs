@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
 use quire_messages::{HEADER_KIND, MessageKind, ReportId};
+use quire_queue::MessageId;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
@@ -132,6 +133,36 @@ impl LogReader {
                 ": the records topic has no such partition",
             ));
         }
+        self.look_up(
+            id.partition,
+            id.offset,
+            id.stream.as_str().as_bytes().to_vec(),
+            true,
+        )
+        .await
+    }
+
+    /// Settles a transaction whose commit outcome was unknown: whether the
+    /// message written at `at` with `key` is committed (true) or its
+    /// transaction aborted (false). Waits, up to the transaction timeout, for
+    /// the transaction to end (the producer's replacement fences it, or the
+    /// coordinator times it out).
+    pub async fn settle(&self, key: &[u8], at: MessageId) -> Result<bool, LogError> {
+        let lookup = self
+            .look_up(at.partition, at.offset, key.to_vec(), false)
+            .await?;
+        Ok(lookup == CutLookup::Issued)
+    }
+
+    /// Whether a committed message with `key` (a cut marker, if `cut_only`)
+    /// is at `offset` of `partition`.
+    async fn look_up(
+        &self,
+        partition: i32,
+        offset: i64,
+        key: Vec<u8>,
+        cut_only: bool,
+    ) -> Result<CutLookup, LogError> {
         let _permit = self
             .permits
             .acquire()
@@ -143,9 +174,10 @@ impl LogReader {
         };
         let lookup = Lookup {
             topic: self.topic.clone(),
-            partition: id.partition,
-            offset: id.offset,
-            stream_key: id.stream.as_str().as_bytes().to_vec(),
+            partition,
+            offset,
+            stream_key: key,
+            cut_only,
             call_timeout: self.call_timeout,
             stable_wait: self.stable_wait,
         };
@@ -197,6 +229,8 @@ struct Lookup {
     partition: i32,
     offset: i64,
     stream_key: Vec<u8>,
+    /// Only a cut marker counts (report ids); else any message of the key.
+    cut_only: bool,
     call_timeout: Duration,
     stable_wait: Duration,
 }
@@ -274,7 +308,7 @@ impl Lookup {
                             .and_then(|header| header.value)
                             .and_then(MessageKind::from_header)
                     });
-                    let is_cut_of_stream = kind == Some(MessageKind::Cut)
+                    let is_cut_of_stream = (kind == Some(MessageKind::Cut) || !self.cut_only)
                         && message.key() == Some(self.stream_key.as_slice());
                     return Ok(if is_cut_of_stream {
                         CutLookup::Issued

@@ -1,5 +1,7 @@
 use rdkafka::error::KafkaError;
 
+use crate::MessageId;
+
 /// Everything the array queue can fail with. Cloneable, because a failed
 /// group-commit transaction hands the same error to every caller in it.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -21,9 +23,16 @@ pub enum QueueError {
     ProducerFatal(KafkaError),
 
     #[error(
-        "the kafka transaction's commit was asked for but did not finish: it may or may not be committed (look before sending it again): {0}"
+        "the kafka transaction's commit was asked for but did not finish: it may or may not be committed (look before sending it again): {source}"
     )]
-    CommitOutcomeUnknown(KafkaError),
+    CommitOutcomeUnknown {
+        source: KafkaError,
+        /// Where the caller's messages were written, in order, when every
+        /// delivery report said so (else empty): reading the log at one of
+        /// them, with read_committed, once the transaction has ended, tells
+        /// whether it was committed.
+        ids: Vec<MessageId>,
+    },
 
     #[error("kafka consumer error: {0}")]
     Consume(KafkaError),

@@ -131,7 +131,7 @@ async fn run_group_commit(
                 elapsed: started.elapsed(),
                 outcome: match &outcome {
                     Ok(_) => "committed",
-                    Err(QueueError::CommitOutcomeUnknown(_)) => "unknown",
+                    Err(QueueError::CommitOutcomeUnknown { .. }) => "unknown",
                     Err(_) => "aborted",
                 },
             });
@@ -141,6 +141,16 @@ async fn run_group_commit(
                 let mut ids = ids.into_iter();
                 for (reply, size) in replies.into_iter().zip(sizes) {
                     let _caller_may_be_gone = reply.send(Ok(ids.by_ref().take(size).collect()));
+                }
+            }
+            // Each caller gets its own messages' ids, to settle the outcome.
+            Err(QueueError::CommitOutcomeUnknown { source, ids }) if ids.len() == messages => {
+                let mut ids = ids.into_iter();
+                for (reply, size) in replies.into_iter().zip(sizes) {
+                    let _caller_may_be_gone = reply.send(Err(QueueError::CommitOutcomeUnknown {
+                        source: source.clone(),
+                        ids: ids.by_ref().take(size).collect(),
+                    }));
                 }
             }
             Err(error) => {

@@ -189,21 +189,34 @@ impl Inner {
                 return Err(error);
             }
         };
-        self.commit_with_retries()?;
-        // Committed: every delivery report has arrived (commit flushes).
-        deliveries
+        let committed = self.commit_with_retries();
+        // Every delivery report has arrived: send_all flushed before the
+        // commit was asked for.
+        let ids: Result<Vec<MessageId>, KafkaError> = deliveries
             .into_iter()
             .map(|delivery| match futures::executor::block_on(delivery) {
                 Ok(Ok(delivered)) => Ok(MessageId {
                     partition: delivered.partition,
                     offset: delivered.offset,
                 }),
-                // Cannot happen after a successful commit; if it does, the
-                // transaction is committed all the same: never say "aborted".
-                Ok(Err((error, _))) => Err(QueueError::CommitOutcomeUnknown(error)),
-                Err(_cancelled) => Err(QueueError::CommitOutcomeUnknown(KafkaError::Canceled)),
+                Ok(Err((error, _))) => Err(error),
+                Err(_cancelled) => Err(KafkaError::Canceled),
             })
-            .collect()
+            .collect();
+        match (committed, ids) {
+            (Ok(()), Ok(ids)) => Ok(ids),
+            // Cannot happen after a successful commit; if it does, the
+            // transaction is committed all the same: never say "aborted".
+            (Ok(()), Err(source)) => Err(QueueError::CommitOutcomeUnknown {
+                source,
+                ids: Vec::new(),
+            }),
+            // The caller can settle it by reading the log at these ids.
+            (Err(QueueError::CommitOutcomeUnknown { source, .. }), Ok(ids)) => {
+                Err(QueueError::CommitOutcomeUnknown { source, ids })
+            }
+            (Err(error), _) => Err(error),
+        }
     }
 
     /// Ends a transaction whose commit was never asked for. An abort that does
@@ -349,7 +362,10 @@ impl Inner {
                         error = %error,
                         "transaction commit did not finish; it may or may not be committed"
                     );
-                    return Err(QueueError::CommitOutcomeUnknown(error));
+                    return Err(QueueError::CommitOutcomeUnknown {
+                        source: error,
+                        ids: Vec::new(),
+                    });
                 }
             }
         }

@@ -61,7 +61,7 @@ pub async fn put_definition(
         &stream,
         quire_messages::encode(&definition),
     );
-    let ids = state.publisher.publish(vec![message]).await?;
+    let ids = state.publish(vec![message]).await?;
     let landed: MessageId = *ids
         .first()
         .ok_or_else(|| ApiError::Internal("kafka returned no id for the definition".into()))?;

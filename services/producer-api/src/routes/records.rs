@@ -55,7 +55,7 @@ pub async fn post_records(
         .collect();
     let count = messages.len();
     let enqueued_at = Instant::now();
-    let ids = state.publisher.publish(messages).await?;
+    let ids = state.publish(messages).await?;
     state.metrics.array_accepted(count, enqueued_at.elapsed());
     if ids.len() != count {
         return Err(ApiError::Internal(format!(

@@ -79,7 +79,7 @@ pub async fn post_cut(
         &stream,
         quire_messages::encode(&CutMarker::explicit()),
     );
-    let ids = state.publisher.publish(vec![marker]).await?;
+    let ids = state.publish(vec![marker]).await?;
     let landed = ids
         .first()
         .ok_or_else(|| ApiError::Internal("kafka returned no id for the cut marker".into()))?;
