@@ -61,8 +61,8 @@ impl KafkaProcess {
         );
         let directory = std::env::temp_dir().join(unique("quire-test-kafka"));
         fs::create_dir_all(directory.join("data")).expect("create the broker's directory");
-        let broker_port = free_port();
-        let controller_port = free_port();
+        let broker_port = crate::free_port();
+        let controller_port = crate::free_port();
         let mut process = KafkaProcess {
             bootstrap: format!("127.0.0.1:{broker_port}"),
             controller_port,
@@ -367,14 +367,6 @@ fn random_base64_id() -> String {
         text.push(ALPHABET[((bits << (6 - bit_count)) & 63) as usize] as char);
     }
     text
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("address")
-        .port()
 }
 
 #[cfg(test)]

@@ -26,6 +26,15 @@ pub fn kafka_settings() -> KafkaSettings {
     KafkaSettings::for_bootstrap(&bootstrap)
 }
 
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .expect("address")
+        .port()
+}
+
 /// `prefix` plus a random suffix: every test gets its own topics and groups.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

@@ -112,7 +112,7 @@ impl TestStack {
 
     /// Starts the producer API on a free port and waits until it is ready.
     pub async fn start_api(&self) -> ApiProcess {
-        let port = free_port();
+        let port = crate::free_port();
         let child = service_command("producer-api", &self.environment())
             .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
             .spawn()
@@ -719,8 +719,9 @@ impl Drop for WorkerProcess {
     }
 }
 
-/// The release binary of a service, built beside the test binary.
-fn service_command(name: &str, environment: &[(String, String)]) -> Command {
+/// A release binary of the workspace (a service, the CLI), built beside the
+/// test binary.
+pub fn release_binary(name: &str) -> PathBuf {
     let test_binary = std::env::current_exe().expect("test binary path");
     // target/release/deps/integration-... -> target/release/<name>
     let binary: PathBuf = test_binary
@@ -733,7 +734,12 @@ fn service_command(name: &str, environment: &[(String, String)]) -> Command {
         "{} is not built: run deploy/local/test (it builds every binary)",
         binary.display()
     );
-    let mut command = Command::new(binary);
+    binary
+}
+
+/// The release binary of a service, with the test's environment.
+fn service_command(name: &str, environment: &[(String, String)]) -> Command {
+    let mut command = Command::new(release_binary(name));
     command
         .envs(
             environment
@@ -746,14 +752,6 @@ fn service_command(name: &str, environment: &[(String, String)]) -> Command {
         )
         .stdin(Stdio::null());
     command
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("address")
-        .port()
 }
 
 /// `count` records for `stream` numbered from `first`.

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quire_tests::pipeline::{Report, TestStack, records};
+use quire_tests::pipeline::{Report, TestStack, records, release_binary};
 use quire_tests::{read_all, unique};
 use serde_json::{Value, json};
 
@@ -111,21 +111,6 @@ impl Drop for Api {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn release_binary(name: &str) -> PathBuf {
-    let binary = std::env::current_exe()
-        .expect("test binary path")
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target directory")
-        .join(name);
-    assert!(
-        binary.exists(),
-        "{} is not built: cargo build --release -p producer-api -p report-generator -p quire-cli",
-        binary.display()
-    );
-    binary
 }
 
 /// Every committed message on the stack's records topic, as JSON, keyed by

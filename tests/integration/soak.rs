@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use quire_config::KafkaSettings;
 use quire_tests::pipeline::{ApiProcess, TestStack, records};
 use quire_tests::read_all;
+use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 const STREAMS: u64 = 8;
 const ARRAY: u64 = 100;
@@ -70,32 +70,18 @@ fn rss_mib(pid: u32) -> f64 {
 /// Sum over the partitions of `topic` of high watermark minus the offset
 /// `group` committed (the whole partition if it committed nothing).
 fn consumer_lag(settings: &KafkaSettings, group: &str, topic: &str, partitions: i32) -> i64 {
+    let committed = quire_tests::committed_offsets(settings, group, topic, partitions);
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &settings.bootstrap_servers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
         .create()
-        .expect("lag reader");
-    let mut list = TopicPartitionList::new();
-    for partition in 0..partitions {
-        list.add_partition(topic, partition);
-    }
-    let committed = consumer
-        .committed_offsets(list, Duration::from_secs(10))
-        .expect("committed offsets");
+        .expect("watermark reader");
     (0..partitions)
-        .map(|partition| {
+        .zip(committed)
+        .map(|(partition, committed)| {
             let (low, high) = consumer
                 .fetch_watermarks(topic, partition, Duration::from_secs(10))
                 .expect("watermarks");
-            let position = match committed
-                .find_partition(topic, partition)
-                .map(|element| element.offset())
-            {
-                Some(Offset::Offset(offset)) => offset,
-                _ => low,
-            };
-            (high - position).max(0)
+            (high - committed.unwrap_or(low)).max(0)
         })
         .sum()
 }

@@ -26,7 +26,7 @@ const INPUT_BUFFER_BYTES: usize = 1 << 20;
 const ARRAYS_READ_AHEAD: usize = 2;
 
 /// One request's worth of records.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Batch {
     body: Vec<u8>,
     records: u64,
@@ -312,14 +312,7 @@ fn read_batches(
         };
         let would_be = batch.body.len() as u64 + record.bytes.len() as u64 + 1;
         if batch.records > 0 && would_be > max_request_bytes {
-            let full = std::mem::replace(
-                &mut batch,
-                Batch {
-                    body: Vec::new(),
-                    records: 0,
-                    end_offset: 0,
-                },
-            );
+            let full = std::mem::take(&mut batch);
             if sender.blocking_send(Ok(full)).is_err() {
                 return;
             }
@@ -329,14 +322,7 @@ fn read_batches(
         batch.records += 1;
         batch.end_offset = record.end_offset;
         if batch.records >= array_size {
-            let full = std::mem::replace(
-                &mut batch,
-                Batch {
-                    body: Vec::new(),
-                    records: 0,
-                    end_offset: 0,
-                },
-            );
+            let full = std::mem::take(&mut batch);
             if sender.blocking_send(Ok(full)).is_err() {
                 return;
             }

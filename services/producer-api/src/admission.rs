@@ -117,13 +117,7 @@ pub async fn read_body_reserving(
     limit: usize,
     reservation: &mut Reservation,
 ) -> Result<Bytes, ApiError> {
-    let declared_length = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
-    if declared_length.is_some_and(|length| length > limit as u64) {
-        return Err(ApiError::BodyTooLarge { limit });
-    }
+    let declared_length = crate::routes::declared_length_within(headers, limit)?;
     if let Some(length) = declared_length {
         reservation.grow(length as usize)?;
     }

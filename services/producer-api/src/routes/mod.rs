@@ -161,9 +161,8 @@ impl<S: Send + Sync> FromRequestParts<S> for ReportPath {
     }
 }
 
-/// Reads a whole body of at most `limit` bytes. A declared Content-Length
-/// over the limit is refused before reading anything.
-pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+/// The body's declared Content-Length, refused at once when over `limit`.
+pub fn declared_length_within(headers: &HeaderMap, limit: usize) -> Result<Option<u64>, ApiError> {
     let declared_length = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
@@ -171,6 +170,13 @@ pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<
     if declared_length.is_some_and(|length| length > limit as u64) {
         return Err(ApiError::BodyTooLarge { limit });
     }
+    Ok(declared_length)
+}
+
+/// Reads a whole body of at most `limit` bytes. A declared Content-Length
+/// over the limit is refused before reading anything.
+pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+    let declared_length = declared_length_within(headers, limit)?;
     let mut chunks = body.into_data_stream();
     let Some(first) = chunks.next().await else {
         return Ok(Bytes::new());
