@@ -2,6 +2,7 @@
 //! stack (`deploy/local/stack up`). One test binary; one module per feature.
 
 mod api;
+mod backlog;
 mod compose;
 mod dashboard;
 mod faults;

@@ -186,17 +186,31 @@ async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
         false,
     );
     let stream = stream_name("roll");
-    // Past the count: a marker cuts the document without any cut request.
+    // Past the count: the document ends at its 10th record without any cut
+    // request (decided inline: no marker, the id names that record).
     api.send_ok(&stream, &records(&stream, 0, 12)).await;
     let observed = stack
         .wait_for("a report by record count", LONG, |observed| {
-            observed.sequence_numbers(&stream).len() == 12
+            observed
+                .reports
+                .values()
+                .any(|report| report.manifest["trigger"] == "records")
         })
         .await;
+    let by_count = observed
+        .reports
+        .values()
+        .find(|report| report.manifest["trigger"] == "records")
+        .unwrap();
+    assert_eq!(by_count.manifest["records"], 10);
     assert_eq!(
-        observed.reports.values().next().unwrap().manifest["trigger"],
-        "records"
+        observed.sequence_numbers(&stream),
+        (0..10).collect::<Vec<u64>>(),
+        "the first ten records, the rest still open"
     );
+    let last = by_count.manifest["last_offset"].as_i64().unwrap();
+    let first = by_count.manifest["first_offset"].as_i64().unwrap();
+    assert_eq!(last - first, 9, "ten records in a row, no marker between");
     // Under the count: the age cuts it.
     api.send_ok(&stream, &records(&stream, 12, 5)).await;
     let observed = stack

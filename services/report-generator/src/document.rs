@@ -40,6 +40,10 @@ pub struct OpenDocument {
     pub partition: i32,
     pub first_offset: i64,
     pub first_record_time_ms: Option<i64>,
+    /// Offset and log time of the last record appended: where an inline
+    /// rollover that starts the next document before a record ends this one.
+    pub last_record_offset: Option<i64>,
+    pub last_record_time_ms: Option<i64>,
     pub records: u64,
     /// Wall-clock time it opened: only for the age rollover decision, never
     /// written into the document.
@@ -53,6 +57,17 @@ pub struct OpenDocument {
     /// One record's rendering, reused; appended to the writer only once the
     /// record rendered completely, so a record that fails leaves no trace.
     scratch: Vec<u8>,
+}
+
+/// What became of a record handed to [`OpenDocument::append`].
+#[derive(Debug)]
+pub enum Appended {
+    Done,
+    /// It cannot be rendered (for the dead-letter topic).
+    Unrenderable(RenderError),
+    /// Its rendering (`rendered` bytes) would take the document past the
+    /// limit: it belongs in the next document.
+    TooLarge { rendered: usize },
 }
 
 /// What rendered bytes go through on their way to the writer.
@@ -160,6 +175,8 @@ impl OpenDocument {
             partition,
             first_offset,
             first_record_time_ms: None,
+            last_record_offset: None,
+            last_record_time_ms: None,
             records: 0,
             opened_at: Instant::now(),
             cut_requested: None,
@@ -170,23 +187,35 @@ impl OpenDocument {
         })
     }
 
-    /// Appends one record. `Ok(Err(_))` is a record that cannot be rendered
-    /// (for the dead-letter topic); the document is unchanged then.
+    /// Appends the record at `offset`, unless its rendering would take the
+    /// document past `limit` bytes. The document is unchanged unless the
+    /// answer is [`Appended::Done`].
     pub async fn append(
         &mut self,
         record: &serde_json::Value,
+        offset: i64,
         time_ms: Option<i64>,
-    ) -> Result<Result<(), RenderError>, WorkerError> {
+        limit: u64,
+    ) -> Result<Appended, WorkerError> {
         self.scratch.clear();
         if let Err(error) = self.renderer.record(&mut self.scratch, record) {
-            return Ok(Err(error));
+            return Ok(Appended::Unrenderable(error));
+        }
+        // Under gzip the record's compressed bytes are not known yet; its
+        // XML is an upper bound of them (deflate adds a few bytes per block
+        // at worst, which the caller's closing room covers).
+        let rendered = self.scratch.len();
+        if self.bytes().saturating_add(rendered as u64) > limit {
+            return Ok(Appended::TooLarge { rendered });
         }
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         if self.records == 0 {
             self.first_record_time_ms = time_ms;
         }
         self.records += 1;
-        Ok(Ok(()))
+        self.last_record_offset = Some(offset);
+        self.last_record_time_ms = time_ms;
+        Ok(Appended::Done)
     }
 
     /// Bytes of the stored object so far (compressed under gzip, less what

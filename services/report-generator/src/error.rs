@@ -49,12 +49,12 @@ impl WorkerError {
     pub fn recovery(&self) -> Recovery {
         let permanent = match self {
             WorkerError::Queue(error) => queue_error_is_permanent(error),
-            WorkerError::Writer(error) => matches!(
-                error,
-                // The declared maximum is exceeded by the same records on a
-                // replay; an invalid policy comes from the configuration.
-                WriterError::ObjectTooLarge { .. } | WriterError::InvalidPolicy { .. }
-            ),
+            // An invalid policy comes from the configuration. Nothing that
+            // data can cause exits: documents end before they would pass
+            // their declared maximum (inline rollovers), so an
+            // ObjectTooLarge would be a bug that a new session, which
+            // renders from the log again, may well not meet.
+            WorkerError::Writer(error) => matches!(error, WriterError::InvalidPolicy { .. }),
             WorkerError::S3(_) | WorkerError::WatermarksUnstable { .. } => false,
             WorkerError::Kafka(error) => kafka_client_error_is_permanent(error),
             WorkerError::Config(_) => true,
@@ -182,15 +182,31 @@ mod tests {
             WorkerError::Writer(WriterError::InvalidPolicy {
                 reason: "max_in_flight must be at least 1".into(),
             }),
+        ];
+        for error in permanent {
+            assert_eq!(error.recovery(), Recovery::Exit, "{error}");
+        }
+    }
+
+    #[test]
+    fn nothing_data_can_cause_exits() {
+        // A stream's volume, a backlog or a record: never "exit", which is
+        // for configuration and operator errors.
+        let data_driven = [
             WorkerError::Writer(WriterError::ObjectTooLarge {
                 bucket: "b".into(),
                 key: "k".into(),
                 declared_maximum: 10,
                 attempted_size: 11,
             }),
+            // A dead letter or an event the broker refuses as too large.
+            WorkerError::Queue(QueueError::TransactionAborted(KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageSizeTooLarge,
+            ))),
+            WorkerError::S3("gzip compression of k failed: out of memory".into()),
         ];
-        for error in permanent {
-            assert_eq!(error.recovery(), Recovery::Exit, "{error}");
+        for error in data_driven {
+            assert_eq!(error.recovery(), Recovery::Restart, "{error}");
         }
     }
 

@@ -23,7 +23,7 @@ use quire_queue::{
 use quire_s3::{S3Bucket, UploadPolicy};
 
 use crate::WorkerError;
-use crate::document::OpenDocument;
+use crate::document::{Appended, OpenDocument};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
@@ -33,6 +33,17 @@ use crate::partition::PartitionState;
 /// the next session's take-over sweep aborts any upload left pending, and
 /// its producer fences this one.
 const SHUTDOWN_STEP_LIMIT: Duration = Duration::from_secs(30);
+
+/// Room above `rollover_bytes` in a document's declared maximum for the one
+/// record that reaches the rollover. A record renders to a few times its
+/// JSON at most (escapes, encoded names), and the API bounds records at
+/// `api.max_record_bytes` (900,000 by default).
+const ONE_RECORD_ROOM: u64 = 16 * 1024 * 1024;
+
+/// Room kept for what ends a document after its last record: the closing
+/// summary element, and under gzip what the compressor still holds and its
+/// trailer.
+const CLOSING_ROOM: u64 = 1024 * 1024;
 
 /// Serve until stopped, or drain what is queued and exit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +81,9 @@ struct Context {
     topics: TopicNames,
     bucket: S3Bucket,
     policy: UploadPolicy,
+    /// The most a document may hold before its closing summary: a record
+    /// whose rendering would pass it starts the next document.
+    record_limit: u64,
 }
 
 /// The messages one array's transaction publishes.
@@ -119,12 +133,15 @@ impl Worker {
             &settings.s3.bucket,
         )
         .with_counters(std::sync::Arc::clone(monitor.metrics.s3_counters()));
-        // Records keep arriving between a rollover decision and its marker
-        // landing in the log, so the declared maximum leaves room for them.
+        // Count and byte rollovers are decided inline, so a document ends at
+        // the record that reaches rollover_bytes: the declared maximum is
+        // that plus room for one record; a record that would not fit ends
+        // the document before it (see `append_record`).
         let declared_maximum = worker
             .rollover_bytes
-            .saturating_mul(4)
+            .saturating_add(ONE_RECORD_ROOM)
             .min(quire_s3::MAXIMUM_OBJECT_SIZE);
+        let record_limit = declared_maximum.saturating_sub(CLOSING_ROOM);
         let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
         policy.max_in_flight = worker.parts_in_flight.max(1);
         tracing::info!(
@@ -140,6 +157,7 @@ impl Worker {
                 topics,
                 bucket,
                 policy,
+                record_limit,
             },
             kafka: settings.kafka.clone(),
             consumer,
@@ -564,25 +582,7 @@ async fn process_message(
                     );
                 }
             };
-            if !state.open.contains_key(&stream) {
-                let document = open_document(context, state, &stream, message.offset).await?;
-                state.open.insert(stream.clone(), document);
-            }
-            let document = state.open.get_mut(&stream).expect("opened above");
-            if let Err(error) = document.append(&record, message.timestamp_ms).await? {
-                return dead_letter(
-                    context,
-                    message,
-                    &format!("record cannot be rendered: {error}"),
-                    outbox,
-                );
-            }
-            outbox.records += 1;
-            if document.records >= context.settings.rollover_records {
-                request_cut(&context.topics, document, Trigger::Records, outbox);
-            } else if document.bytes() >= context.settings.rollover_bytes {
-                request_cut(&context.topics, document, Trigger::Bytes, outbox);
-            }
+            append_record(context, state, &stream, message, &record, outbox).await?;
         }
         MessageKind::Cut => {
             if state.already_reported(&stream, message.offset) {
@@ -616,44 +616,159 @@ async fn process_message(
                 // A cut with nothing new: an empty report, keyed by the marker.
                 None => open_document(context, state, &stream, message.offset).await?,
             };
-            let report_id = ReportId {
-                stream: stream.clone(),
-                partition: state.partition,
-                offset: message.offset,
-            };
-            let manifest = document
-                .complete(
-                    &context.bucket,
-                    &report_id,
-                    message.timestamp_ms,
-                    marker.trigger,
-                )
-                .await?;
-            tracing::info!(report = %report_id, records = manifest.records, bytes = manifest.bytes, trigger = ?marker.trigger, "report completed");
-            let event = ReportEvent {
-                v: CURRENT_VERSION,
-                kind: ReportEventKind::Completed,
-                report_id,
-                stream: stream.clone(),
-                key: manifest.key,
-                partition: manifest.partition,
-                first_offset: manifest.first_offset,
-                last_offset: manifest.last_offset,
-                records: manifest.records,
-                bytes: manifest.bytes,
-                sha256: manifest.sha256,
-                trigger: manifest.trigger,
-                reason: None,
-            };
-            outbox.messages.push(OutMessage::new(
-                &context.topics.report_events,
-                Some(stream.as_str().as_bytes().to_vec()),
-                quire_messages::encode(&event),
-            ));
-            outbox.reports.push(marker.trigger);
-            state.report_completed(&stream, message.offset);
+            complete_document(
+                context,
+                state,
+                document,
+                message.offset,
+                message.timestamp_ms,
+                marker.trigger,
+                outbox,
+            )
+            .await?;
         }
     }
+    Ok(())
+}
+
+/// Appends a record to its stream's document (opening one if none is open)
+/// and applies the inline limits, which depend only on the log's content:
+///
+/// - a record whose rendering would take the document past the writer's
+///   declared maximum ends the document *before* it (at the stream's
+///   previous record) and opens the next one with it;
+/// - the record that brings the document to `rollover_records` or
+///   `rollover_bytes` ends it *at* that record, with no marker.
+///
+/// Replays see the same records, under the same definition, from the same
+/// first offset, so they cut at the same records. A document whose marker
+/// (age, memory, drain) is still in flight obeys the same limits; the marker
+/// then names a document that is no longer open and is ignored.
+async fn append_record(
+    context: &Context,
+    state: &mut PartitionState,
+    stream: &StreamName,
+    message: &InMessage,
+    record: &serde_json::Value,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    let limit = context.record_limit;
+    loop {
+        if !state.open.contains_key(stream) {
+            let document = open_document(context, state, stream, message.offset).await?;
+            state.open.insert(stream.clone(), document);
+        }
+        let document = state.open.get_mut(stream).expect("opened above");
+        match document
+            .append(record, message.offset, message.timestamp_ms, limit)
+            .await?
+        {
+            Appended::Done => break,
+            Appended::Unrenderable(error) => {
+                return dead_letter(
+                    context,
+                    message,
+                    &format!("record cannot be rendered: {error}"),
+                    outbox,
+                );
+            }
+            Appended::TooLarge { rendered } if document.records == 0 => {
+                // Even alone in a document it would pass the maximum.
+                if let Some(document) = state.open.remove(stream) {
+                    document.abort().await;
+                }
+                return dead_letter(
+                    context,
+                    message,
+                    &format!(
+                        "record renders to {rendered} bytes, more than a report may hold ({limit} bytes)"
+                    ),
+                    outbox,
+                );
+            }
+            Appended::TooLarge { .. } => {
+                let last = document
+                    .last_record_offset
+                    .expect("a document that was not opened for this record holds records");
+                let document = state.open.remove(stream).expect("open");
+                complete_inline(context, state, document, last, Trigger::Bytes, outbox).await?;
+            }
+        }
+    }
+    outbox.records += 1;
+    let document = state.open.get(stream).expect("appended above");
+    let trigger = if document.records >= context.settings.rollover_records {
+        Some(Trigger::Records)
+    } else if document.bytes() >= context.settings.rollover_bytes {
+        Some(Trigger::Bytes)
+    } else {
+        None
+    };
+    if let Some(trigger) = trigger {
+        let document = state.open.remove(stream).expect("open");
+        complete_inline(context, state, document, message.offset, trigger, outbox).await?;
+    }
+    Ok(())
+}
+
+/// Ends `document` at its record at `last_offset` (a rollover decided from
+/// the log, no marker): the report's id names that record.
+async fn complete_inline(
+    context: &Context,
+    state: &mut PartitionState,
+    document: OpenDocument,
+    last_offset: i64,
+    trigger: Trigger,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    let cut_time_ms = document.last_record_time_ms;
+    complete_document(context, state, document, last_offset, cut_time_ms, trigger, outbox).await
+}
+
+/// Completes `document` as the report ending at `last_offset` (its marker,
+/// or its last record for an inline rollover), queues its event, and moves
+/// the stream's watermark there.
+async fn complete_document(
+    context: &Context,
+    state: &mut PartitionState,
+    document: OpenDocument,
+    last_offset: i64,
+    cut_time_ms: Option<i64>,
+    trigger: Trigger,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    let stream = document.stream.clone();
+    let report_id = ReportId {
+        stream: stream.clone(),
+        partition: state.partition,
+        offset: last_offset,
+    };
+    let manifest = document
+        .complete(&context.bucket, &report_id, cut_time_ms, trigger)
+        .await?;
+    tracing::info!(report = %report_id, records = manifest.records, bytes = manifest.bytes, trigger = ?trigger, "report completed");
+    let event = ReportEvent {
+        v: CURRENT_VERSION,
+        kind: ReportEventKind::Completed,
+        report_id,
+        stream: stream.clone(),
+        key: manifest.key,
+        partition: manifest.partition,
+        first_offset: manifest.first_offset,
+        last_offset: manifest.last_offset,
+        records: manifest.records,
+        bytes: manifest.bytes,
+        sha256: manifest.sha256,
+        trigger: manifest.trigger,
+        reason: None,
+    };
+    outbox.messages.push(OutMessage::new(
+        &context.topics.report_events,
+        Some(stream.as_str().as_bytes().to_vec()),
+        quire_messages::encode(&event),
+    ));
+    outbox.reports.push(trigger);
+    state.report_completed(&stream, last_offset);
     Ok(())
 }
 
@@ -742,15 +857,13 @@ fn dead_letter(
         .as_deref()
         .map(|key| String::from_utf8_lossy(key).into_owned())
         .unwrap_or_default();
-    let letter = DeadLetter {
-        v: CURRENT_VERSION,
+    let letter = DeadLetter::new(
         stream,
-        partition: message.partition,
-        offset: message.offset,
-        reason: reason.to_owned(),
-        payload: String::from_utf8_lossy(message.payload.as_deref().unwrap_or_default())
-            .into_owned(),
-    };
+        message.partition,
+        message.offset,
+        reason.to_owned(),
+        message.payload.as_deref().unwrap_or_default(),
+    );
     outbox.messages.push(OutMessage::new(
         &context.topics.dead_letters,
         Some(DeadLetter::key(message.partition, message.offset).into_bytes()),

@@ -77,11 +77,44 @@ pub struct DeadLetter {
     pub partition: i32,
     pub offset: i64,
     pub reason: String,
-    /// The message body, as UTF-8 (lossy) for a person to read.
+    /// The message body, as UTF-8 (lossy) for a person to read; at most
+    /// [`DeadLetter::PAYLOAD_LIMIT`] bytes of it (the record itself stays in
+    /// the records topic at `partition` and `offset`).
     pub payload: String,
+    /// Size of the whole message body, when `payload` holds only its start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_truncated_from: Option<u64>,
 }
 
 impl DeadLetter {
+    /// The most of a body a dead letter carries: with the reason and JSON
+    /// escaping, a dead letter stays far below the broker's message size
+    /// limit whatever the record, so a record can never stop the stream.
+    pub const PAYLOAD_LIMIT: usize = 64 * 1024;
+
+    /// The dead letter of the message at `partition` and `offset`.
+    pub fn new(stream: String, partition: i32, offset: i64, reason: String, body: &[u8]) -> Self {
+        let (payload, payload_truncated_from) = if body.len() <= Self::PAYLOAD_LIMIT {
+            (String::from_utf8_lossy(body).into_owned(), None)
+        } else {
+            let mut text = String::from_utf8_lossy(&body[..Self::PAYLOAD_LIMIT]).into_owned();
+            // A character cut in two at the limit became U+FFFD: drop it.
+            if text.ends_with('\u{FFFD}') {
+                text.pop();
+            }
+            (text, Some(body.len() as u64))
+        };
+        DeadLetter {
+            v: crate::CURRENT_VERSION,
+            stream,
+            partition,
+            offset,
+            reason,
+            payload,
+            payload_truncated_from,
+        }
+    }
+
     pub fn key(partition: i32, offset: i64) -> String {
         format!("{partition}:{offset}")
     }
@@ -117,4 +150,27 @@ pub struct Manifest {
     /// Log timestamp of the cut marker (ms since the epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_time_ms: Option<i64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dead_letter_carries_at_most_its_limit_of_the_body() {
+        let small = DeadLetter::new("s".into(), 1, 2, "bad".into(), b"{not json");
+        assert_eq!(small.payload, "{not json");
+        assert_eq!(small.payload_truncated_from, None);
+
+        // Two-byte characters, so the limit falls inside one of them.
+        let body = "é".repeat(DeadLetter::PAYLOAD_LIMIT).into_bytes();
+        let large = DeadLetter::new("s".into(), 1, 2, "bad".into(), &body);
+        assert!(large.payload.len() <= DeadLetter::PAYLOAD_LIMIT);
+        assert!(large.payload.chars().all(|c| c == 'é'), "no broken character");
+        assert_eq!(large.payload_truncated_from, Some(body.len() as u64));
+        // Quotes double under JSON escaping: still far below a megabyte.
+        let quotes = vec![b'"'; 900_000];
+        let encoded = crate::encode(&DeadLetter::new("s".into(), 1, 2, "bad".into(), &quotes));
+        assert!(encoded.len() < 200_000, "{} bytes", encoded.len());
+    }
 }
