@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quire_config::{KafkaSettings, TopicNames};
+use quire_config::{KafkaSettings, Settings, TopicNames};
+use report_generator::{Application, Mode, RunSummary, WorkerError};
 use serde_json::{Value, json};
 
 use crate::kafka_process::KafkaProcess;
@@ -108,6 +109,44 @@ impl TestStack {
             // Workers run side by side: each serves its metrics on a free port.
             ("QUIRE_WORKER__METRICS_LISTEN".into(), "127.0.0.1:0".into()),
         ]
+    }
+
+    /// Typed settings of a report generator of this stack: what
+    /// [`environment`](Self::environment) sets, as [`Settings`], for a
+    /// worker started in this process.
+    pub fn worker_settings(&self, replica: &str) -> Settings {
+        let mut settings = quire_config::defaults();
+        settings.kafka = self.kafka.clone();
+        settings.kafka.topics = self.topics.clone();
+        settings.s3 = s3_settings();
+        settings.s3.bucket = self.bucket.name.clone();
+        let worker = &mut settings.worker;
+        worker.replica_id = replica.to_owned();
+        worker.group_id = self.group.clone();
+        worker.transactional_id_prefix = unique("test-worker");
+        worker.max_wait_ms = 200;
+        worker.session_timeout_ms = 6000;
+        worker.metrics_listen = "127.0.0.1:0".into();
+        settings
+    }
+
+    /// Starts a report generator in this process, as `main.rs` does
+    /// (`Application::build`, then `run_until`); returns once its
+    /// monitoring port is bound.
+    pub async fn start_worker_in_process(&self, settings: Settings, mode: Mode) -> InProcessWorker {
+        let application = Application::build(settings, mode)
+            .await
+            .expect("the report generator starts");
+        let port = application.port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(application.run_until(async move {
+            let _ = stopped.await;
+        }));
+        InProcessWorker {
+            port,
+            stop: Some(stop),
+            run,
+        }
     }
 
     /// Starts the producer API on a free port and waits until it is ready.
@@ -662,6 +701,38 @@ impl Drop for ApiProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A report generator running in the test's process.
+pub struct InProcessWorker {
+    /// Where its `/metrics`, `/healthz` and `/readyz` answer.
+    pub port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    run: tokio::task::JoinHandle<Result<RunSummary, WorkerError>>,
+}
+
+impl InProcessWorker {
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Resolves its shutdown future (what SIGTERM does to the binary) and
+    /// waits (bounded) for it to finish: what it did, or why it failed.
+    pub async fn stop(mut self, limit: Duration) -> Result<RunSummary, WorkerError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(limit, &mut self.run)
+            .await
+            .unwrap_or_else(|_| panic!("the in-process worker did not stop within {limit:?}"))
+            .expect("the worker task ended without a panic")
+    }
+}
+
+impl Drop for InProcessWorker {
+    fn drop(&mut self) {
+        self.run.abort();
     }
 }
 

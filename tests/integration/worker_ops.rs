@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use quire_tests::pipeline::{TestStack, records};
 use quire_tests::unique;
+use report_generator::Mode;
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -68,11 +69,14 @@ async fn wait_until(
 async fn the_worker_reports_records_reports_and_lag_and_answers_health_checks() {
     let stack = TestStack::create("ops-metrics").await;
     let api = stack.start_api().await;
-    let (mut worker, base) = stack.spawn_monitored_worker(
-        "ops-1",
-        &[("QUIRE_WORKER__STATISTICS_INTERVAL_MS", "300")],
-        false,
-    );
+    // In process: Application::build binds the monitoring port first and
+    // says which it is, no log to scrape.
+    let mut settings = stack.worker_settings("ops-1");
+    settings.worker.statistics_interval_ms = 300;
+    let worker = stack
+        .start_worker_in_process(settings, Mode::Serve)
+        .await;
+    let base = worker.base_url();
     let http = reqwest::Client::new();
 
     let (status, body) = get(&http, &format!("{base}/healthz")).await;
@@ -182,8 +186,12 @@ async fn the_worker_reports_records_reports_and_lag_and_answers_health_checks() 
 
     let (status, _) = get(&http, &format!("{base}/healthz")).await;
     assert_eq!(status, 200);
-    let (exit, _) = worker.terminate(Duration::from_secs(40));
-    assert_eq!(exit, Some(0), "SIGTERM ends the worker cleanly");
+    let summary = worker
+        .stop(Duration::from_secs(40))
+        .await
+        .expect("the shutdown future ends the worker cleanly");
+    assert_eq!(summary.reports, 3, "{summary:?}");
+    assert_eq!(summary.records, 180, "{summary:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,11 +1,14 @@
 //! quire's report generator: record arrays from Kafka into XML reports on S3,
 //! exactly once. See ARCHITECTURE.md for the loop and its invariants.
 //!
+//! - `application.rs`: the report generator as a value (`Application::build`
+//!   binds its monitoring port, `run_until(shutdown)` runs it);
 //! - `worker.rs`: one session of the loop (its Kafka clients, its S3 handle);
 //! - `supervisor.rs`: runs sessions, rebuilding one after a Kafka or S3
 //!   failure, exiting on errors a restart cannot cure;
 //! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`.
 
+mod application;
 mod document;
 mod error;
 mod metrics;
@@ -15,6 +18,7 @@ pub mod supervisor;
 mod watermarks;
 mod worker;
 
+pub use application::Application;
 pub use error::{Recovery, WorkerError};
 pub use metrics::WorkerMetrics;
 pub use monitoring::{Monitor, SessionState, WorkerHealth};

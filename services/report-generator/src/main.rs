@@ -4,12 +4,11 @@
 //! a restart cannot cure.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Parser;
-use report_generator::{Mode, Monitor, supervisor};
+use report_generator::{Application, Mode};
 
 #[derive(Parser)]
 #[command(about = "quire's report generator: record arrays from Kafka into XML reports on S3")]
@@ -31,23 +30,14 @@ async fn main() -> anyhow::Result<()> {
         settings.log.format,
         "info,librdkafka=warn,rdkafka=warn,aws=warn",
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    spawn_signal_handler(
-        Arc::clone(&stop),
-        Duration::from_millis(settings.worker.shutdown_grace_ms),
-    );
+    let grace = Duration::from_millis(settings.worker.shutdown_grace_ms);
     let mode = if cli.drain { Mode::Drain } else { Mode::Serve };
-    let monitor = Monitor::new(&settings.worker);
-    monitor.serve(&settings.worker.metrics_listen).await?;
-    // Report retention (s3.report_retention_days): a bucket lifecycle rule
-    // where the server has them, else a periodic sweep. It only logs errors.
-    let retention = quire_s3::start_retention(&settings.s3, Arc::clone(&stop)).await;
+    let application = Application::build(settings, mode)
+        .await
+        .context("the report generator could not start")?;
     // Sessions until stopped or drained; Kafka and S3 failures rebuild the
     // session, errors a restart cannot cure end here, non-zero.
-    let summary = supervisor::run(&settings, mode, &stop, &monitor).await;
-    // A drain ends without raising the stop flag.
-    retention.abort();
-    let summary = summary?;
+    let summary = application.run_until(terminated(grace)).await?;
     tracing::info!(
         arrays = summary.arrays,
         records = summary.records,
@@ -58,23 +48,21 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// SIGTERM or ctrl-c raise the stop flag: the loop finishes the array in
-/// hand, commits and aborts what is open. If that takes longer than the
-/// grace period, the process exits non-zero rather than hang.
-fn spawn_signal_handler(stop: Arc<AtomicBool>, grace: Duration) {
+/// Resolves on SIGTERM or ctrl-c: the loop then finishes the array in hand,
+/// commits and aborts what is open. If that takes longer than the grace
+/// period, the process exits non-zero rather than hang.
+async fn terminated(grace: Duration) {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = terminate.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!(
+        grace_ms = grace.as_millis() as u64,
+        "stop requested: finishing the array in hand"
+    );
     tokio::spawn(async move {
-        let mut terminate =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("SIGTERM handler");
-        tokio::select! {
-            _ = terminate.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        tracing::info!(
-            grace_ms = grace.as_millis() as u64,
-            "stop requested: finishing the array in hand"
-        );
-        stop.store(true, Ordering::Release);
         tokio::time::sleep(grace).await;
         tracing::error!("grace period over before the worker stopped; exiting");
         std::process::exit(2);
