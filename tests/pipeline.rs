@@ -151,9 +151,20 @@ impl TestStack {
 
     /// Starts the producer API on a free port and waits until it is ready.
     pub async fn start_api(&self) -> ApiProcess {
+        self.start_api_with(&[]).await
+    }
+
+    /// [`start_api`](Self::start_api) with extra settings (e.g. the
+    /// transactional id prefix of an earlier API, to restart "the same"
+    /// replica).
+    pub async fn start_api_with(&self, extra: &[(&str, &str)]) -> ApiProcess {
         let port = crate::free_port();
-        let child = service_command("producer-api", &self.environment())
-            .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
+        let mut command = service_command("producer-api", &self.environment());
+        command.env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"));
+        for (key, value) in extra {
+            command.env(key, value);
+        }
+        let child = command
             .spawn()
             .expect("start producer-api (is it built? deploy/local/test builds it)");
         let api = ApiProcess {

@@ -6,6 +6,7 @@ mod backlog;
 mod compose;
 mod dashboard;
 mod faults;
+mod hanging;
 mod pipeline;
 mod queue;
 mod reports;

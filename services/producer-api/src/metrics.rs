@@ -52,6 +52,7 @@ pub struct Metrics {
     kafka_available: Gauge,
     transaction_seconds: HistogramFamily<OutcomeLabels>,
     producers_recreated: Counter,
+    partitions_released: Counter,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -157,7 +158,14 @@ impl Metrics {
             "Transactional producers recreated after they became unusable",
             producers_recreated.clone(),
         );
+        let partitions_released = Counter::default();
+        registry.register(
+            "release_transactions",
+            "Release transactions committed: one message to every records partition, so no transaction a producer left open there (a COMMIT marker a crashed broker skipped) holds readers back",
+            partitions_released.clone(),
+        );
         Metrics {
+            partitions_released,
             in_flight_bytes,
             idempotent_replays,
             kafka_available,
@@ -214,6 +222,10 @@ impl Metrics {
 
     pub fn producer_recreated(&self) {
         self.producers_recreated.inc();
+    }
+
+    pub fn partitions_released(&self) {
+        self.partitions_released.inc();
     }
 
     /// The OpenMetrics text exposition.

@@ -208,6 +208,66 @@ impl Publisher {
         });
     }
 
+    /// Starts the task that releases what the producers' own earlier
+    /// transactions may have left open: a broker killed right after a commit
+    /// can come back with its coordinator having skipped a partition's COMMIT
+    /// marker while marking the transaction complete, and every
+    /// read_committed reader of that partition then stops at the array the
+    /// API answered 200 for. Every `interval`, while `kafka_available()`,
+    /// each usable producer that connected since, or saw the brokers gone
+    /// since, its last release commits `release` (one message to each
+    /// partition it may write) through its group commit: the COMMIT marker
+    /// it puts on each partition ends whatever that producer left open
+    /// there. A failed release is tried again at the next tick.
+    pub fn spawn_releaser(
+        &self,
+        release: Vec<OutMessage>,
+        kafka_available: impl Fn() -> bool + Send + 'static,
+        interval: Duration,
+    ) {
+        let slots = Arc::clone(&self.slots);
+        let metrics = Arc::clone(&self.factory.metrics);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                if !kafka_available() {
+                    continue;
+                }
+                for slot in slots.iter() {
+                    let connected = slot
+                        .current
+                        .read()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    if !connected.producer.is_usable() || !connected.producer.take_release_request()
+                    {
+                        continue;
+                    }
+                    match connected.enqueuer.enqueue_array(release.clone()).await {
+                        Ok(_) => {
+                            metrics.partitions_released();
+                            tracing::info!(
+                                transactional_id = %slot.transactional_id,
+                                partitions = release.len(),
+                                "partitions released: no transaction of this producer stays open there"
+                            );
+                        }
+                        Err(error) => {
+                            connected.producer.request_release();
+                            tracing::warn!(
+                                transactional_id = %slot.transactional_id,
+                                error = %error,
+                                "releasing the producer's partitions failed; trying again"
+                            );
+                        }
+                    }
+                }
+            }
+        });
+    }
+
     /// Transactional ids of producers that are unusable (being recreated).
     pub fn unusable_producers(&self) -> Vec<&str> {
         self.slots
@@ -255,6 +315,26 @@ impl RecordsTopic {
     ) -> OutMessage {
         debug_assert_ne!(kind, MessageKind::Record);
         self.message(kind, stream, body)
+    }
+
+    /// One release message for each of `partitions` (see
+    /// [`Publisher::spawn_releaser`]): no key, no stream, skipped by workers.
+    pub fn release_messages(&self, partitions: i32) -> Vec<OutMessage> {
+        (0..partitions)
+            .map(|partition| OutMessage {
+                topic: self.topic.clone(),
+                key: None,
+                payload: format!("{{\"v\":{CURRENT_VERSION}}}").into_bytes(),
+                headers: vec![
+                    (
+                        HEADER_KIND.to_owned(),
+                        MessageKind::Release.as_header().as_bytes().to_vec(),
+                    ),
+                    (HEADER_VERSION.to_owned(), self.version_header.clone()),
+                ],
+                partition: Some(partition),
+            })
+            .collect()
     }
 
     fn message(&self, kind: MessageKind, stream: &StreamName, payload: Vec<u8>) -> OutMessage {

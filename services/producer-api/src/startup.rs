@@ -112,6 +112,17 @@ impl Application {
             Arc::clone(&metrics),
             Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
         );
+        // Releases, at start-up and after the brokers come back, what the
+        // producers' earlier transactions may have left open.
+        let records_topic = RecordsTopic::new(&settings.kafka.topics.records);
+        publisher.spawn_releaser(
+            records_topic.release_messages(records_partitions),
+            {
+                let health = Arc::clone(&kafka_health);
+                move || health.is_available()
+            },
+            Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
+        );
         let storage = Storage::new(
             quire_s3::build_client(&settings.s3).await,
             settings.s3.bucket.clone(),
@@ -123,7 +134,7 @@ impl Application {
         let tokens = BearerTokens::new(&settings.api.auth_tokens);
         let services = Arc::new(Services {
             limits,
-            records_topic: RecordsTopic::new(&settings.kafka.topics.records),
+            records_topic,
             publisher,
             storage,
             log,

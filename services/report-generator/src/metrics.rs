@@ -43,6 +43,8 @@ struct RebalanceLabels {
 pub struct ArrayCommitted<'a> {
     pub records: u64,
     pub dead_letters: u64,
+    /// Producers' release messages skipped (they carry no stream).
+    pub released: u64,
     /// The trigger of each report the array completed.
     pub reports: &'a [Trigger],
     /// How long the transaction took, when there was one.
@@ -65,6 +67,7 @@ pub struct WorkerMetrics {
     records: Counter,
     reports: Family<TriggerLabels, Counter>,
     dead_letters: Counter,
+    release_messages: Counter,
     consumer_lag: Family<PartitionLabels, Gauge>,
     last_stable_offset_lag: Family<PartitionLabels, Gauge>,
     assigned_partitions: Gauge,
@@ -120,6 +123,12 @@ impl WorkerMetrics {
             "dead_letters",
             "Messages sent to the dead-letter topic",
             dead_letters.clone(),
+        );
+        let release_messages = Counter::default();
+        registry.register(
+            "release_messages",
+            "Release messages skipped: control messages a producer commits to its partitions after a broker comes back, so no transaction of its stays open there",
+            release_messages.clone(),
         );
         let consumer_lag = Family::<PartitionLabels, Gauge>::default();
         registry.register(
@@ -185,6 +194,7 @@ impl WorkerMetrics {
             records,
             reports,
             dead_letters,
+            release_messages,
             consumer_lag,
             last_stable_offset_lag,
             assigned_partitions,
@@ -213,6 +223,7 @@ impl WorkerMetrics {
     pub fn array_committed(&self, committed: &ArrayCommitted<'_>) {
         self.records.inc_by(committed.records);
         self.dead_letters.inc_by(committed.dead_letters);
+        self.release_messages.inc_by(committed.released);
         for trigger in committed.reports {
             self.reports
                 .get_or_create(&TriggerLabels {
@@ -377,6 +388,7 @@ mod tests {
         metrics.array_committed(&ArrayCommitted {
             records: 248,
             dead_letters: 2,
+            released: 1,
             reports: &[Trigger::Api, Trigger::Api, Trigger::Drain],
             transaction: Some(Duration::from_millis(9)),
         });
@@ -392,6 +404,7 @@ mod tests {
         for expected in [
             "quire_worker_records_total 248",
             "quire_worker_dead_letters_total 2",
+            "quire_worker_release_messages_total 1",
             r#"quire_worker_reports_total{trigger="api"} 2"#,
             r#"quire_worker_reports_total{trigger="drain"} 1"#,
             "quire_worker_commits_total 1",

@@ -94,6 +94,8 @@ struct Outbox {
     reports: Vec<Trigger>,
     records: u64,
     dead_letters: u64,
+    /// Release messages skipped (producers' control messages, no stream).
+    released: u64,
 }
 
 /// One session of the worker.
@@ -204,6 +206,7 @@ impl Worker {
             }
             let records = outbox.records;
             let dead_letters = outbox.dead_letters;
+            let released = outbox.released;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
             let transaction = self.commit(&array, outbox).await?;
@@ -214,6 +217,7 @@ impl Worker {
             self.monitor.metrics.array_committed(&ArrayCommitted {
                 records,
                 dead_letters,
+                released,
                 reports: &reports,
                 transaction,
             });
@@ -513,6 +517,12 @@ async fn process_message(
         .and_then(|key| std::str::from_utf8(key).ok())
         .map(StreamName::new);
     let stream = match (kind, stream) {
+        // A producer releasing its partitions after a broker crash: no
+        // stream, nothing to render.
+        (Some(MessageKind::Release), _) => {
+            outbox.released += 1;
+            return Ok(());
+        }
         (None, _) => {
             return dead_letter(
                 context,
@@ -541,6 +551,7 @@ async fn process_message(
     };
     let payload = message.payload.as_deref().unwrap_or_default();
     match kind.expect("checked above") {
+        MessageKind::Release => unreachable!("handled above"),
         MessageKind::Definition => {
             match quire_messages::decode::<Definition>("definition", payload)
                 .map_err(|error| error.to_string())

@@ -49,6 +49,12 @@ pub enum MessageKind {
     Record,
     Cut,
     Definition,
+    /// A producer's own control message, carrying no stream (no key): it
+    /// exists only so that the transaction writing it puts a COMMIT marker on
+    /// its partition, releasing what an earlier transaction of the same
+    /// producer may have left open there (a marker a crashed coordinator
+    /// skipped). Workers skip it.
+    Release,
 }
 
 impl MessageKind {
@@ -57,6 +63,7 @@ impl MessageKind {
             MessageKind::Record => "record",
             MessageKind::Cut => "cut",
             MessageKind::Definition => "definition",
+            MessageKind::Release => "release",
         }
     }
 
@@ -65,6 +72,7 @@ impl MessageKind {
             b"record" => Some(MessageKind::Record),
             b"cut" => Some(MessageKind::Cut),
             b"definition" => Some(MessageKind::Definition),
+            b"release" => Some(MessageKind::Release),
             _ => None,
         }
     }

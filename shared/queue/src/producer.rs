@@ -23,6 +23,10 @@ const COMMIT_ATTEMPTS: usize = 3;
 #[derive(Default, Clone)]
 pub struct ProducerStatistics {
     latest: Arc<Mutex<Option<Statistics>>>,
+    /// Raised when librdkafka reports the brokers gone (all down, or a
+    /// broker connection lost): once they answer again, the producer's
+    /// partitions should be released (see [`TransactionalProducer::take_release_request`]).
+    disconnected: Arc<AtomicBool>,
 }
 
 impl ProducerStatistics {
@@ -35,6 +39,16 @@ impl ProducerStatistics {
 impl ClientContext for ProducerStatistics {
     fn stats(&self, statistics: Statistics) {
         *self.latest.lock().expect("statistics lock") = Some(statistics);
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::BrokerTransportFailure)
+        ) {
+            self.disconnected.store(true, Ordering::Release);
+        }
+        tracing::warn!(target: "librdkafka", error = %error, reason, "kafka producer error");
     }
 }
 
@@ -66,6 +80,8 @@ struct Inner {
     /// must be recreated (a new `init_transactions` with the same id fences it
     /// and ends its open transaction).
     fatal: AtomicBool,
+    /// A release of the producer's partitions is due (set at connect).
+    release_pending: AtomicBool,
 }
 
 /// Consumer offsets to commit inside a transaction, with the consumer's group
@@ -119,12 +135,36 @@ impl TransactionalProducer {
                 send_timeout,
                 transaction_lock: Mutex::new(()),
                 fatal: AtomicBool::new(false),
+                release_pending: AtomicBool::new(true),
             }),
         })
     }
 
     pub fn transactional_id(&self) -> &str {
         &self.inner.transactional_id
+    }
+
+    /// Whether this producer should release its partitions now, clearing
+    /// the request: true once after it connects (an earlier instance with
+    /// the same id may have left a transaction open) and once after each
+    /// time librdkafka reported the brokers gone (a broker that crashed
+    /// right after a commit may have skipped a COMMIT marker). Releasing is
+    /// committing a transaction that writes to every partition the producer
+    /// may have written, which puts a COMMIT marker there; the caller says
+    /// [`request_release`](Self::request_release) again if that fails.
+    pub fn take_release_request(&self) -> bool {
+        let disconnected = self
+            .inner
+            .statistics
+            .disconnected
+            .swap(false, Ordering::AcqRel);
+        let pending = self.inner.release_pending.swap(false, Ordering::AcqRel);
+        disconnected || pending
+    }
+
+    /// Asks for a release at the next [`take_release_request`](Self::take_release_request).
+    pub fn request_release(&self) {
+        self.inner.release_pending.store(true, Ordering::Release);
     }
 
     /// False once the producer is fenced, or its transaction state is no
