@@ -237,9 +237,8 @@ struct Lookup {
 
 impl Lookup {
     fn run(&self, watermarks: &BaseConsumer, reader: &BaseConsumer) -> Result<CutLookup, LogError> {
-        let (low, high) = watermarks
-            .fetch_watermarks(&self.topic, self.partition, self.call_timeout)
-            .map_err(|source| self.read_failed(source))?;
+        let (low, high) =
+            self.fetch_watermarks(watermarks, Instant::now() + self.stable_wait)?;
         if self.offset >= high {
             return Ok(CutLookup::NotIssued(
                 ": nothing was written at that offset of its partition",
@@ -254,13 +253,38 @@ impl Lookup {
         self.read_at_offset(reader)
     }
 
+    /// The partition's low and high watermarks (the last stable offset, for
+    /// a read_committed `client`). A transient error (a connection still
+    /// being re-established after a broker restart, a timed-out request) is
+    /// asked again until `deadline`: the client's state from before the
+    /// restart is not the broker's answer now.
+    fn fetch_watermarks(
+        &self,
+        client: &BaseConsumer,
+        deadline: Instant,
+    ) -> Result<(i64, i64), LogError> {
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match client.fetch_watermarks(
+                &self.topic,
+                self.partition,
+                self.call_timeout.min(remaining.max(Duration::from_millis(100))),
+            ) {
+                Ok(watermarks) => return Ok(watermarks),
+                Err(source) if quire_queue::is_transient(&source) && !remaining.is_zero() => {
+                    tracing::debug!(error = %source, "watermark request failed for now; asking again");
+                    std::thread::sleep(STABLE_POLL_INTERVAL);
+                }
+                Err(source) => return Err(self.read_failed(source)),
+            }
+        }
+    }
+
     /// Waits until the last stable offset is past our offset.
     fn wait_until_stable(&self, reader: &BaseConsumer) -> Result<(), LogError> {
         let deadline = Instant::now() + self.stable_wait;
         loop {
-            let (_, last_stable) = reader
-                .fetch_watermarks(&self.topic, self.partition, self.call_timeout)
-                .map_err(|source| self.read_failed(source))?;
+            let (_, last_stable) = self.fetch_watermarks(reader, deadline)?;
             if self.offset < last_stable {
                 return Ok(());
             }
@@ -326,6 +350,13 @@ impl Lookup {
                     ));
                 }
                 Some(Err(KafkaError::PartitionEOF(_))) | None => continue,
+                // An error event queued while the brokers were away (a
+                // pooled reader keeps them): stale once they answer, and the
+                // call's deadline bounds how long they may stay away.
+                Some(Err(source)) if quire_queue::is_transient(&source) => {
+                    tracing::debug!(error = %source, "stale or transient error event on a look-up reader; polling on");
+                    continue;
+                }
                 Some(Err(source)) => return Err(self.read_failed(source)),
             }
         }

@@ -385,7 +385,7 @@ fn read_array(
                     partition: out_of_range_partition(consumer),
                 });
             }
-            Some(Err(error)) if is_transient(&error) => {
+            Some(Err(error)) if crate::is_transient(&error) => {
                 tracing::warn!(error = %error, "transient consumer error");
             }
             Some(Err(error)) => return Err(QueueError::Consume(error)),
@@ -497,21 +497,4 @@ fn out_of_range_partition(consumer: &BaseConsumer<QueueContext>) -> i32 {
                 .map(|element| element.partition())
         })
         .unwrap_or(-1)
-}
-
-/// Errors librdkafka recovers from by itself (broker restarts, leader moves).
-fn is_transient(error: &KafkaError) -> bool {
-    matches!(
-        error.rdkafka_error_code(),
-        Some(
-            RDKafkaErrorCode::BrokerTransportFailure
-                | RDKafkaErrorCode::AllBrokersDown
-                | RDKafkaErrorCode::NotLeaderForPartition
-                | RDKafkaErrorCode::LeaderNotAvailable
-                | RDKafkaErrorCode::RequestTimedOut
-                | RDKafkaErrorCode::OperationTimedOut
-                | RDKafkaErrorCode::NetworkException
-                | RDKafkaErrorCode::Resolve
-        )
-    )
 }

@@ -63,3 +63,24 @@ impl From<tokio::task::JoinError> for QueueError {
         QueueError::Join(error.to_string())
     }
 }
+
+/// Errors librdkafka recovers from by itself (broker restarts, leader
+/// moves). A client polled after the brokers came back may still hand out
+/// such an error event queued while they were away: a stale event, not a
+/// verdict on the broker now.
+pub fn is_transient(error: &KafkaError) -> bool {
+    use rdkafka::error::RDKafkaErrorCode;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::NotLeaderForPartition
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::NetworkException
+                | RDKafkaErrorCode::Resolve
+        )
+    )
+}

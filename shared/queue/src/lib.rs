@@ -34,7 +34,7 @@ pub use consumer::{
     TransactionOutcome,
 };
 pub use context::{PartitionProgress, RebalanceEvent};
-pub use error::QueueError;
+pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
 pub use producer::{ProducerStatistics, TransactionalProducer};
