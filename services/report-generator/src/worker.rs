@@ -449,11 +449,8 @@ impl Worker {
         if offsets.is_empty() && outbox.messages.is_empty() {
             return Ok(None);
         }
-        if !outbox.reports.is_empty() && crash_before_commit_requested() {
-            // The end-to-end tests' failpoint: a crash after objects were
-            // completed in S3 and before the transaction that announces them.
-            tracing::error!("failpoint crash-before-commit: aborting the process");
-            std::process::abort();
+        if !outbox.reports.is_empty() {
+            failpoint_before_commit();
         }
         let started = Instant::now();
         let outcome = self
@@ -697,9 +694,30 @@ fn newer_record_version(message: &InMessage) -> Option<String> {
     }
 }
 
-/// `QUIRE_WORKER_FAILPOINT=crash-before-commit`: for the crash tests only.
-fn crash_before_commit_requested() -> bool {
-    std::env::var("QUIRE_WORKER_FAILPOINT").is_ok_and(|value| value == "crash-before-commit")
+/// `QUIRE_WORKER_FAILPOINT`, for the end-to-end tests only, at a transaction
+/// that announces reports whose objects are already completed in S3:
+/// - `crash-before-commit`: the process aborts (a crash in between);
+/// - `pause-before-commit`: the first time, the process stops itself
+///   (SIGSTOP, as a frozen VM or a long pause would) and commits when it is
+///   thawed (SIGCONT): a zombie that wakes up after its partitions moved.
+fn failpoint_before_commit() {
+    static PAUSED_ONCE: AtomicBool = AtomicBool::new(false);
+    match std::env::var("QUIRE_WORKER_FAILPOINT").as_deref() {
+        Ok("crash-before-commit") => {
+            tracing::error!("failpoint crash-before-commit: aborting the process");
+            std::process::abort();
+        }
+        Ok("pause-before-commit") if !PAUSED_ONCE.swap(true, Ordering::AcqRel) => {
+            tracing::warn!("failpoint pause-before-commit: stopping the process until SIGCONT");
+            // kill(1) rather than a libc binding: SIGSTOP stops every thread
+            // of this process; the command's status is collected once thawed.
+            let stopped = std::process::Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+            tracing::warn!(?stopped, "failpoint pause-before-commit: thawed, committing");
+        }
+        _ => {}
+    }
 }
 
 /// Publishes, in this array's transaction, a marker that cuts `document`

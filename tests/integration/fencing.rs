@@ -1,0 +1,207 @@
+//! Zombies are fenced and rebalances keep what they can: a worker frozen
+//! while its partitions moved commits nothing when it wakes up, and two
+//! processes with one replica id stop instead of fencing each other forever.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use quire_tests::pipeline::{Observed, TestStack, partition_of, records};
+use quire_tests::read_all;
+use serde_json::{Value, json};
+
+const LONG: Duration = Duration::from_secs(90);
+
+fn stream_name(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    )
+}
+
+/// Whether process `pid` is stopped (state `T` in /proc/<pid>/stat).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // The state follows the command name, which is in parentheses.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_owned))
+        })
+        .is_some_and(|state| state == "T")
+}
+
+fn signal(pid: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// Every committed watermark of `stream`, in log order.
+fn watermark_history(stack: &TestStack, stream: &str) -> Vec<Value> {
+    read_all(&stack.kafka, &stack.topics.watermarks, 12, true)
+        .into_iter()
+        .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
+        .map(|message| serde_json::from_slice(&message.payload).expect("watermark JSON"))
+        .collect()
+}
+
+fn root_of(watermark: &Value) -> Option<&str> {
+    watermark["definition"]["root"].as_str()
+}
+
+fn events_of(observed: &Observed, report_id: &str) -> usize {
+    observed
+        .events
+        .iter()
+        .filter(|event| event["report_id"].as_str() == Some(report_id))
+        .count()
+}
+
+/// What a zombie's late commit would break: a second event for a report, a
+/// watermark going back, or a definition reverted.
+fn zombie_damage(stack: &TestStack, observed: &Observed, stream: &str) -> Option<String> {
+    if let Some(doubled) = observed.events.iter().find_map(|event| {
+        let id = event["report_id"].as_str()?;
+        (events_of(observed, id) > 1).then(|| id.to_owned())
+    }) {
+        return Some(format!("report.completed of {doubled} published twice"));
+    }
+    let history = watermark_history(stack, stream);
+    for pair in history.windows(2) {
+        let (earlier, later) = (&pair[0], &pair[1]);
+        if later["offset"].as_i64() < earlier["offset"].as_i64() {
+            return Some(format!(
+                "the watermark of {stream} went back: {earlier} then {later}"
+            ));
+        }
+        if root_of(earlier) == Some("after") && root_of(later) == Some("before") {
+            return Some(format!(
+                "the definition of {stream} was reverted: {earlier} then {later}"
+            ));
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_moved() {
+    let stack = TestStack::create("fence-zombie").await;
+    let api = stack.start_api().await;
+    let reported = stream_name("zombie");
+    let target = partition_of(&reported, 12);
+    // Another stream on the same partition keeps a document open there, so
+    // the partition's commit point does not move while reports complete.
+    let pinned = (0..)
+        .map(|_| stream_name("pinned"))
+        .find(|candidate| partition_of(candidate, 12) == target)
+        .unwrap();
+    let mut sent: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+
+    let mut zombie =
+        stack.spawn_worker("w1", &[("QUIRE_WORKER_FAILPOINT", "pause-before-commit")], false);
+    api.put_definition(&reported, json!({"root": "before"})).await;
+    api.send_ok(&pinned, &records(&pinned, 0, 5)).await;
+    sent.insert(pinned.clone(), (0..5).collect());
+    // The pinned document opened after the first definition: once the
+    // commit point reaches it, the watermark carries that definition.
+    let deadline = Instant::now() + LONG;
+    while watermark_history(&stack, &reported)
+        .last()
+        .and_then(root_of)
+        != Some("before")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the first definition was never persisted"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    api.put_definition(&reported, json!({"root": "after"})).await;
+    api.send_ok(&reported, &records(&reported, 0, 10)).await;
+    sent.insert(reported.clone(), (0..10).collect());
+    let first = api.cut(&reported).await;
+    // W1 completes the report's object and manifest, then stops itself
+    // before the transaction that would announce them.
+    let deadline = Instant::now() + LONG;
+    while !is_stopped(zombie.id()) {
+        assert!(
+            zombie.exited().is_none(),
+            "the worker exited instead of pausing"
+        );
+        assert!(Instant::now() < deadline, "the worker never paused");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let frozen = stack.observe().await;
+    assert!(
+        frozen.reports.contains_key(&first),
+        "the object was completed before the pause"
+    );
+    assert_eq!(events_of(&frozen, &first), 0, "but not announced");
+
+    // W2 takes the partition over once W1's session times out, renders the
+    // report again and announces it; then the partition moves on.
+    let mut successor = stack.spawn_worker("w2", &[], false);
+    stack
+        .wait_for("the successor's announcement", LONG, |observed| {
+            events_of(observed, &first) == 1
+        })
+        .await;
+    let pinned_report = api.cut(&pinned).await;
+    api.send_ok(&reported, &records(&reported, 10, 10)).await;
+    sent.get_mut(&reported).unwrap().extend(10..20);
+    let second = api.cut(&reported).await;
+    stack
+        .wait_for("the successor's next reports", LONG, |observed| {
+            events_of(observed, &pinned_report) == 1 && events_of(observed, &second) == 1
+        })
+        .await;
+    let deadline = Instant::now() + LONG;
+    while watermark_history(&stack, &reported).last().and_then(root_of) != Some("after") {
+        assert!(
+            Instant::now() < deadline,
+            "the second definition was never persisted"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    // W1 wakes up and goes on with the commit it was about to make.
+    signal(zombie.id(), "CONT");
+    let settle = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < settle {
+        let observed = stack.observe().await;
+        if let Some(damage) = zombie_damage(&stack, &observed, &reported) {
+            panic!("the thawed worker committed: {damage}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    zombie.kill();
+    successor.kill();
+
+    // A later owner starts from what is committed: the later definition,
+    // and nothing reported twice.
+    let _later = stack.spawn_worker("w3", &[], false);
+    api.send_ok(&reported, &records(&reported, 20, 10)).await;
+    sent.get_mut(&reported).unwrap().extend(20..30);
+    let third = api.cut(&reported).await;
+    let observed = stack
+        .wait_for("the later owner's report", LONG, |observed| {
+            events_of(observed, &third) == 1
+        })
+        .await;
+    if let Some(damage) = zombie_damage(&stack, &observed, &reported) {
+        panic!("{damage}");
+    }
+    observed.assert_exactly_once(&sent);
+    for id in [&first, &second, &third] {
+        let text = std::str::from_utf8(&observed.reports[id].document).expect("UTF-8");
+        let document = roxmltree::Document::parse(text).expect("well-formed XML");
+        assert_eq!(
+            document.root_element().tag_name().name(),
+            "after",
+            "report {id} was rendered with a reverted definition"
+        );
+    }
+}
