@@ -427,14 +427,19 @@ impl Worker {
         array: &Array,
         mut outbox: Outbox,
     ) -> Result<Option<Duration>, WorkerError> {
+        // The offsets of every owned partition go with every transaction,
+        // moved or not (the queue adds the commit points of partitions not
+        // read yet), so the group checks every transaction against its
+        // generation: a worker that froze while its partitions moved gets
+        // its events and watermarks refused with its offsets.
         let mut offsets = BTreeMap::new();
+        let mut moved = false;
         for (&partition, state) in &mut self.partitions {
             let Some(safe) = state.safe_offset() else {
                 continue;
             };
-            if state.committed != Some(safe) {
-                offsets.insert(partition, safe);
-            }
+            moved |= state.committed != Some(safe);
+            offsets.insert(partition, safe);
             for (stream, watermark) in state.watermarks_to_write(safe) {
                 outbox.messages.push(
                     OutMessage::new(
@@ -446,7 +451,7 @@ impl Worker {
                 );
             }
         }
-        if offsets.is_empty() && outbox.messages.is_empty() {
+        if !moved && outbox.messages.is_empty() {
             return Ok(None);
         }
         if !outbox.reports.is_empty() {
