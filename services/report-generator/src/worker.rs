@@ -279,32 +279,33 @@ impl Worker {
         self.partitions.values().all(|state| state.open.is_empty())
     }
 
+    /// Applies a read's rebalance events in order, then takes over the
+    /// partitions still assigned once all of them are applied: a partition
+    /// assigned and revoked again within one read is not swept (its pending
+    /// uploads belong to its live owner by then).
     async fn handle_rebalances(&mut self, events: &[RebalanceEvent]) -> Result<(), WorkerError> {
         for event in events {
-            match event {
-                RebalanceEvent::Assigned(partitions) => {
-                    self.monitor.metrics.rebalanced(true);
-                    self.take_partitions(partitions).await?;
-                }
-                RebalanceEvent::Revoked { partitions, lost } => {
-                    self.monitor.metrics.rebalanced(false);
-                    for partition in partitions {
-                        if let Some(state) = self.partitions.remove(partition) {
-                            tracing::info!(
-                                partition,
-                                lost,
-                                open = state.open.len(),
-                                "partition revoked: aborting its open documents"
-                            );
-                            for (_, document) in state.open {
-                                document.abort().await;
-                            }
-                        }
+            self.monitor
+                .metrics
+                .rebalanced(matches!(event, RebalanceEvent::Assigned(_)));
+            let RebalanceEvent::Revoked { partitions, lost } = event else {
+                continue;
+            };
+            for partition in partitions {
+                if let Some(state) = self.partitions.remove(partition) {
+                    tracing::info!(
+                        partition,
+                        lost,
+                        open = state.open.len(),
+                        "partition revoked: aborting its open documents"
+                    );
+                    for (_, document) in state.open {
+                        document.abort().await;
                     }
                 }
             }
         }
-        Ok(())
+        self.take_partitions(&still_assigned_after(events)).await
     }
 
     /// A new owner: load the partitions' watermarks (after any open
@@ -699,6 +700,23 @@ fn newer_record_version(message: &InMessage) -> Option<String> {
     }
 }
 
+/// The partitions assigned by `events` (in order) that no later event of
+/// them revoked: the ones a read leaves this worker to take over.
+fn still_assigned_after(events: &[RebalanceEvent]) -> Vec<i32> {
+    let mut assigned = std::collections::BTreeSet::new();
+    for event in events {
+        match event {
+            RebalanceEvent::Assigned(partitions) => assigned.extend(partitions.iter().copied()),
+            RebalanceEvent::Revoked { partitions, .. } => {
+                for partition in partitions {
+                    assigned.remove(partition);
+                }
+            }
+        }
+    }
+    assigned.into_iter().collect()
+}
+
 /// `QUIRE_WORKER_FAILPOINT`, for the end-to-end tests only, at a transaction
 /// that announces reports whose objects are already completed in S3:
 /// - `crash-before-commit`: the process aborts (a crash in between);
@@ -800,6 +818,27 @@ mod tests {
                 .collect(),
             timestamp_ms: None,
         }
+    }
+
+    #[test]
+    fn only_partitions_still_assigned_after_every_event_of_a_read_are_taken() {
+        let assigned = |partitions: &[i32]| RebalanceEvent::Assigned(partitions.to_vec());
+        let revoked = |partitions: &[i32]| RebalanceEvent::Revoked {
+            partitions: partitions.to_vec(),
+            lost: false,
+        };
+        assert_eq!(still_assigned_after(&[assigned(&[1, 2])]), [1, 2]);
+        assert_eq!(
+            still_assigned_after(&[assigned(&[1, 2]), revoked(&[1])]),
+            [2],
+            "assigned then revoked in one read: not swept"
+        );
+        assert_eq!(
+            still_assigned_after(&[revoked(&[3]), assigned(&[3])]),
+            [3],
+            "revoked then given back: taken again"
+        );
+        assert!(still_assigned_after(&[revoked(&[4])]).is_empty());
     }
 
     #[test]
