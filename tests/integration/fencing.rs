@@ -205,3 +205,75 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
         );
     }
 }
+
+/// A worker whose stderr is kept, for what it says when it exits.
+struct LoggedWorker {
+    child: std::process::Child,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl LoggedWorker {
+    fn spawn(stack: &TestStack, replica: &str, extra: &[(&str, &str)]) -> LoggedWorker {
+        let mut command =
+            std::process::Command::new(quire_tests::pipeline::release_binary("report-generator"));
+        command
+            .envs(stack.environment())
+            .env("QUIRE_WORKER__REPLICA_ID", replica)
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        for (key, value) in extra {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("start report-generator");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let sink = std::sync::Arc::clone(&log);
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                let mut log = sink.lock().expect("log");
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        LoggedWorker { child, log }
+    }
+}
+
+impl Drop for LoggedWorker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_with_one_replica_id_stop_fencing_each_other_and_say_why() {
+    let stack = TestStack::create("fence-twins").await;
+    let quick = [("QUIRE_WORKER__RESTART_BACKOFF_INITIAL_MS", "200")];
+    let mut first = LoggedWorker::spawn(&stack, "twin", &quick);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut second = LoggedWorker::spawn(&stack, "twin", &quick);
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let (status, log) = loop {
+        if let Some(status) = first.child.try_wait().expect("try_wait") {
+            break (status, first.log.lock().unwrap().clone());
+        }
+        if let Some(status) = second.child.try_wait().expect("try_wait") {
+            break (status, second.log.lock().unwrap().clone());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "two workers with one replica id still fence each other after 150 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(!status.success(), "a worker sharing its replica id exits non-zero");
+    assert!(
+        log.contains("worker.replica_id") && log.contains("\"twin\""),
+        "its last words name worker.replica_id and the id: {log}"
+    );
+}

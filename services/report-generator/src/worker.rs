@@ -150,6 +150,11 @@ impl Worker {
         })
     }
 
+    /// The documents open now, over every partition held.
+    pub fn open_documents(&self) -> usize {
+        self.partitions.values().map(|state| state.open.len()).sum()
+    }
+
     /// What this session did so far (committed arrays only).
     pub fn summary(&self) -> &RunSummary {
         &self.summary
