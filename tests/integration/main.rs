@@ -8,6 +8,7 @@ mod faults;
 mod fencing;
 mod pipeline;
 mod queue;
+mod rebalance;
 mod reports;
 mod soak;
 mod worker_ops;
