@@ -8,6 +8,7 @@
 //! (`supervisor.rs`) decides whether to build a new one.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ use quire_messages::{
     ReportEvent, ReportEventKind, ReportId, StreamName, Trigger,
 };
 use quire_queue::{
-    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, RebalanceEvent,
+    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, QueueError, RebalanceEvent,
     TransactionalProducer,
 };
 use quire_s3::{S3Bucket, UploadPolicy};
@@ -80,7 +81,64 @@ struct Outbox {
     reports: Vec<Trigger>,
     records: u64,
     dead_letters: u64,
+    /// The record partition each message (then each report) came from, in
+    /// order: a transaction the group refused is carried to the next array
+    /// without the partitions revoked meanwhile.
+    sources: Sources,
 }
+
+#[derive(Default)]
+struct Sources {
+    messages: Vec<i32>,
+    reports: Vec<i32>,
+}
+
+impl Outbox {
+    /// The messages and reports added since the last tag came from `partition`.
+    fn tag_new(&mut self, partition: i32) {
+        let untagged = self.messages.len() - self.sources.messages.len();
+        self.sources
+            .messages
+            .extend(std::iter::repeat_n(partition, untagged));
+        let untagged = self.reports.len() - self.sources.reports.len();
+        self.sources
+            .reports
+            .extend(std::iter::repeat_n(partition, untagged));
+    }
+
+    /// The messages added since the last tag are the worker's markers (or
+    /// watermarks): each comes from the record partition it is written to.
+    fn tag_new_by_target(&mut self) {
+        for message in &self.messages[self.sources.messages.len()..] {
+            self.sources.messages.push(message.partition.unwrap_or(-1));
+        }
+    }
+
+    /// Forgets what came from `partition`; how many messages that was.
+    fn drop_partition(&mut self, partition: i32) -> usize {
+        debug_assert_eq!(self.messages.len(), self.sources.messages.len());
+        let before = self.messages.len();
+        let mut sources = self.sources.messages.iter();
+        self.messages
+            .retain(|_| sources.next() != Some(&partition));
+        self.sources.messages.retain(|source| *source != partition);
+        let mut sources = self.sources.reports.iter();
+        self.reports.retain(|_| sources.next() != Some(&partition));
+        self.sources.reports.retain(|source| *source != partition);
+        before - self.messages.len()
+    }
+}
+
+/// A transaction the group refused, kept for the next array's.
+struct Refused {
+    outbox: Outbox,
+    /// When the first of the refusals in a row happened.
+    since: Instant,
+}
+
+/// Refused transactions are carried over for at least this long (and at
+/// least `worker.session_timeout_ms`) before the session is restarted.
+const REFUSED_CARRY_MIN: Duration = Duration::from_secs(10);
 
 /// One session of the worker.
 pub struct Worker {
@@ -91,6 +149,8 @@ pub struct Worker {
     partitions: BTreeMap<i32, PartitionState>,
     monitor: Monitor,
     summary: RunSummary,
+    /// The last transaction, if the group refused it.
+    refused: Option<Refused>,
 }
 
 impl Worker {
@@ -147,6 +207,7 @@ impl Worker {
             partitions: BTreeMap::new(),
             monitor: monitor.clone(),
             summary: RunSummary::default(),
+            refused: None,
         })
     }
 
@@ -176,11 +237,16 @@ impl Worker {
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
             self.handle_rebalances(&array.rebalances).await?;
-            let mut outbox = Outbox::default();
+            let (mut outbox, refused_since) = match self.refused.take() {
+                Some(refused) => (refused.outbox, Some(refused.since)),
+                None => (Outbox::default(), None),
+            };
             for message in &array.messages {
                 self.process(message, &mut outbox).await?;
+                outbox.tag_new(message.partition);
             }
             self.decide_timed_rollovers(&mut outbox);
+            outbox.tag_new_by_target();
             if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records {
                 // The seed's exits (a short array or an empty wait) mean
                 // "caught up" only with every assigned partition at its end.
@@ -188,12 +254,20 @@ impl Worker {
             }
             if draining {
                 self.cut_everything_open(&mut outbox);
+                outbox.tag_new_by_target();
             }
             let records = outbox.records;
             let dead_letters = outbox.dead_letters;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
-            let transaction = self.commit(&array, outbox).await?;
+            let transaction = match self.commit(&array, &mut outbox).await {
+                Ok(transaction) => transaction,
+                Err(WorkerError::Queue(QueueError::GroupRefused(error))) => {
+                    self.carry_refused(outbox, refused_since, error)?;
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             self.summary.records += records;
             self.summary.reports += reports.len() as u64;
             self.summary.dead_letters += dead_letters;
@@ -297,6 +371,16 @@ impl Worker {
                 continue;
             };
             for partition in partitions {
+                if let Some(refused) = &mut self.refused {
+                    let dropped = refused.outbox.drop_partition(*partition);
+                    if dropped > 0 {
+                        tracing::info!(
+                            partition,
+                            messages = dropped,
+                            "partition revoked: its messages leave the refused transaction"
+                        );
+                    }
+                }
                 if let Some(state) = self.partitions.remove(partition) {
                     tracing::info!(
                         partition,
@@ -425,13 +509,48 @@ impl Worker {
         }
     }
 
+    /// A transaction the group refused because its generation moved (a
+    /// rebalance completed without this member, or it was timed out or
+    /// fenced): nothing of it is visible. Instead of ending the session and
+    /// rendering every open document of every partition again, its messages
+    /// are kept for the next array's transaction, which applies the
+    /// rebalance first: what came from revoked partitions is dropped with
+    /// them, the rest is committed with the next array, under the new
+    /// generation. Bounded: refused for longer than the session timeout (the
+    /// group's own bound on an unresponsive member), the session ends.
+    fn carry_refused(
+        &mut self,
+        outbox: Outbox,
+        refused_since: Option<Instant>,
+        error: rdkafka::error::KafkaError,
+    ) -> Result<(), WorkerError> {
+        let since = refused_since.unwrap_or_else(Instant::now);
+        let limit = Duration::from_millis(self.context.settings.session_timeout_ms)
+            .max(REFUSED_CARRY_MIN);
+        if since.elapsed() > limit {
+            tracing::warn!(
+                refused_for_ms = since.elapsed().as_millis() as u64,
+                "transactions refused by the group for too long; restarting the session"
+            );
+            return Err(WorkerError::Queue(QueueError::GroupRefused(error)));
+        }
+        tracing::warn!(
+            error = %error,
+            messages = outbox.messages.len(),
+            "transaction refused by the group; committing what is still owned with the next array"
+        );
+        self.refused = Some(Refused { outbox, since });
+        Ok(())
+    }
+
     /// ONE transaction: events, dead letters, markers, watermarks and the
     /// offsets (never past an open document), with the group metadata.
-    /// Returns how long the transaction took, if there was one.
+    /// Returns how long the transaction took, if there was one. The outbox
+    /// is left whole when the transaction fails.
     async fn commit(
         &mut self,
         array: &Array,
-        mut outbox: Outbox,
+        outbox: &mut Outbox,
     ) -> Result<Option<Duration>, WorkerError> {
         // The offsets of every owned partition go with every transaction,
         // moved or not (the queue adds the commit points of partitions not
@@ -457,6 +576,7 @@ impl Worker {
                 );
             }
         }
+        outbox.tag_new_by_target();
         if !moved && outbox.messages.is_empty() {
             return Ok(None);
         }
@@ -464,10 +584,19 @@ impl Worker {
             failpoint_before_commit();
         }
         let started = Instant::now();
+        let messages = Arc::new(std::mem::take(&mut outbox.messages));
         let outcome = self
             .consumer
-            .commit_in_transaction(array, Some(offsets), &self.producer, outbox.messages)
-            .await?;
+            .commit_shared_in_transaction(
+                array,
+                Some(offsets),
+                &self.producer,
+                Arc::clone(&messages),
+            )
+            .await;
+        // The transaction's task has ended: the messages are ours alone again.
+        outbox.messages = Arc::try_unwrap(messages).unwrap_or_else(|shared| (*shared).clone());
+        let outcome = outcome?;
         let took = started.elapsed();
         for (partition, offset) in &outcome.commit.committed {
             if let Some(state) = self.partitions.get_mut(partition) {
@@ -823,6 +952,35 @@ mod tests {
                 .collect(),
             timestamp_ms: None,
         }
+    }
+
+    #[test]
+    fn a_refused_outbox_forgets_what_a_revoked_partition_put_in_it() {
+        let message = |partition: Option<i32>| {
+            let message = OutMessage::new("t", None, b"m".to_vec());
+            match partition {
+                Some(partition) => message.to_partition(partition),
+                None => message,
+            }
+        };
+        let mut outbox = Outbox::default();
+        // An event and a report from partition 1, one from partition 2.
+        outbox.messages.push(message(None));
+        outbox.reports.push(Trigger::Records);
+        outbox.tag_new(1);
+        outbox.messages.push(message(None));
+        outbox.reports.push(Trigger::Age);
+        outbox.tag_new(2);
+        // A worker's marker and a watermark, written to the partition they
+        // come from.
+        outbox.messages.push(message(Some(2)));
+        outbox.messages.push(message(Some(1)));
+        outbox.tag_new_by_target();
+        assert_eq!(outbox.drop_partition(1), 2);
+        assert_eq!(outbox.messages.len(), 2);
+        assert_eq!(outbox.reports, [Trigger::Age]);
+        assert_eq!(outbox.sources.messages, [2, 2]);
+        assert_eq!(outbox.drop_partition(3), 0, "nothing of an unknown partition");
     }
 
     #[test]

@@ -268,6 +268,21 @@ impl ArrayConsumer {
         producer: &TransactionalProducer,
         messages: Vec<OutMessage>,
     ) -> Result<TransactionOutcome, QueueError> {
+        self.commit_shared_in_transaction(array, offsets, producer, Arc::new(messages))
+            .await
+    }
+
+    /// [`commit_in_transaction`](Self::commit_in_transaction) with messages
+    /// the caller keeps: once it returns, the caller's `Arc` is the only one
+    /// left, so a caller that tries again later (a refused transaction)
+    /// takes them back without a copy.
+    pub async fn commit_shared_in_transaction(
+        &self,
+        array: &Array,
+        offsets: Option<BTreeMap<i32, i64>>,
+        producer: &TransactionalProducer,
+        messages: Arc<Vec<OutMessage>>,
+    ) -> Result<TransactionOutcome, QueueError> {
         let consumer = Arc::clone(&self.consumer);
         let poll_lock = Arc::clone(&self.poll_lock);
         let topic = self.topic.clone();
@@ -285,7 +300,9 @@ impl ArrayConsumer {
                 offsets: &list,
                 group_metadata: &group_metadata,
             });
-            let ids = producer.transact_blocking(&messages, in_transaction)?;
+            let ids = producer.transact_blocking(&messages, in_transaction);
+            drop(messages);
+            let ids = ids?;
             let mut state = consumer.context().lock();
             for (&partition, &offset) in &commit.committed {
                 if state.assigned.contains_key(&partition) {
