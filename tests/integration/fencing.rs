@@ -99,9 +99,13 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
         .unwrap();
     let mut sent: BTreeMap<String, Vec<u64>> = BTreeMap::new();
 
-    let mut zombie =
-        stack.spawn_worker("w1", &[("QUIRE_WORKER_FAILPOINT", "pause-before-commit")], false);
-    api.put_definition(&reported, json!({"root": "before"})).await;
+    let mut zombie = stack.spawn_worker(
+        "w1",
+        &[("QUIRE_WORKER_FAILPOINT", "pause-before-commit")],
+        false,
+    );
+    api.put_definition(&reported, json!({"root": "before"}))
+        .await;
     api.send_ok(&pinned, &records(&pinned, 0, 5)).await;
     sent.insert(pinned.clone(), (0..5).collect());
     // The pinned document opened after the first definition: once the
@@ -119,7 +123,8 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 
-    api.put_definition(&reported, json!({"root": "after"})).await;
+    api.put_definition(&reported, json!({"root": "after"}))
+        .await;
     api.send_ok(&reported, &records(&reported, 0, 10)).await;
     sent.insert(reported.clone(), (0..10).collect());
     let first = api.cut(&reported).await;
@@ -159,7 +164,11 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
         })
         .await;
     let deadline = Instant::now() + LONG;
-    while watermark_history(&stack, &reported).last().and_then(root_of) != Some("after") {
+    while watermark_history(&stack, &reported)
+        .last()
+        .and_then(root_of)
+        != Some("after")
+    {
         assert!(
             Instant::now() < deadline,
             "the second definition was never persisted"
@@ -271,7 +280,10 @@ async fn two_processes_with_one_replica_id_stop_fencing_each_other_and_say_why()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert!(!status.success(), "a worker sharing its replica id exits non-zero");
+    assert!(
+        !status.success(),
+        "a worker sharing its replica id exits non-zero"
+    );
     assert!(
         log.contains("worker.replica_id") && log.contains("\"twin\""),
         "its last words name worker.replica_id and the id: {log}"

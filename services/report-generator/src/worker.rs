@@ -119,8 +119,7 @@ impl Outbox {
         debug_assert_eq!(self.messages.len(), self.sources.messages.len());
         let before = self.messages.len();
         let mut sources = self.sources.messages.iter();
-        self.messages
-            .retain(|_| sources.next() != Some(&partition));
+        self.messages.retain(|_| sources.next() != Some(&partition));
         self.sources.messages.retain(|source| *source != partition);
         let mut sources = self.sources.reports.iter();
         self.reports.retain(|_| sources.next() != Some(&partition));
@@ -525,8 +524,8 @@ impl Worker {
         error: rdkafka::error::KafkaError,
     ) -> Result<(), WorkerError> {
         let since = refused_since.unwrap_or_else(Instant::now);
-        let limit = Duration::from_millis(self.context.settings.session_timeout_ms)
-            .max(REFUSED_CARRY_MIN);
+        let limit =
+            Duration::from_millis(self.context.settings.session_timeout_ms).max(REFUSED_CARRY_MIN);
         if since.elapsed() > limit {
             tracing::warn!(
                 refused_for_ms = since.elapsed().as_millis() as u64,
@@ -871,7 +870,10 @@ fn failpoint_before_commit() {
             let stopped = std::process::Command::new("kill")
                 .args(["-STOP", &std::process::id().to_string()])
                 .status();
-            tracing::warn!(?stopped, "failpoint pause-before-commit: thawed, committing");
+            tracing::warn!(
+                ?stopped,
+                "failpoint pause-before-commit: thawed, committing"
+            );
         }
         _ => {}
     }
@@ -980,7 +982,11 @@ mod tests {
         assert_eq!(outbox.messages.len(), 2);
         assert_eq!(outbox.reports, [Trigger::Age]);
         assert_eq!(outbox.sources.messages, [2, 2]);
-        assert_eq!(outbox.drop_partition(3), 0, "nothing of an unknown partition");
+        assert_eq!(
+            outbox.drop_partition(3),
+            0,
+            "nothing of an unknown partition"
+        );
     }
 
     #[test]

@@ -196,7 +196,10 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
         // The compaction bounds may be tightened, never loosened: a looser
         // one lets a take-over read unbounded history.
         for (key, bound) in &spec.config {
-            if !WATERMARK_COMPACTION.iter().any(|(bounded, _)| bounded == key) {
+            if !WATERMARK_COMPACTION
+                .iter()
+                .any(|(bounded, _)| bounded == key)
+            {
                 continue;
             }
             let actual = config
@@ -246,7 +249,12 @@ mod tests {
             );
         }
         let records = specs.iter().find(|spec| spec.name == "r").unwrap();
-        assert!(records.config.iter().all(|(key, _)| key != "cleanup.policy"));
+        assert!(
+            records
+                .config
+                .iter()
+                .all(|(key, _)| key != "cleanup.policy")
+        );
     }
 
     #[test]

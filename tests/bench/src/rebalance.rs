@@ -50,7 +50,11 @@ struct Counts {
 impl Counts {
     fn count(&mut self, entry: &Value) {
         // The workers log JSON with the event's fields flattened in.
-        let fields = if entry["fields"].is_object() { &entry["fields"] } else { entry };
+        let fields = if entry["fields"].is_object() {
+            &entry["fields"]
+        } else {
+            entry
+        };
         let message = fields["message"].as_str().unwrap_or_default();
         let field = |name: &str| fields[name].as_u64().unwrap_or(0);
         match message {
@@ -80,7 +84,12 @@ struct Worker {
 }
 
 impl Worker {
-    fn spawn(binary: &PathBuf, stack: &TestStack, replica: &str, counts: &Arc<Mutex<Counts>>) -> anyhow::Result<Self> {
+    fn spawn(
+        binary: &PathBuf,
+        stack: &TestStack,
+        replica: &str,
+        counts: &Arc<Mutex<Counts>>,
+    ) -> anyhow::Result<Self> {
         let mut child = Command::new(binary)
             .envs(stack.environment())
             .env("QUIRE_WORKER__REPLICA_ID", replica)
@@ -131,7 +140,9 @@ pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
         .to_path_buf();
     let worker_binary = directory.join("report-generator");
     let stack = TestStack::create("bench-rebalance").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let mut api = Command::new(directory.join("producer-api"))
         .envs(stack.environment())
         .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
@@ -155,14 +166,25 @@ pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
     let counts = Arc::new(Mutex::new(Counts::default()));
     let mut workers: BTreeMap<&str, Worker> = BTreeMap::new();
     for replica in ["r1", "r2", "r3"] {
-        workers.insert(replica, Worker::spawn(&worker_binary, &stack, replica, &counts)?);
+        workers.insert(
+            replica,
+            Worker::spawn(&worker_binary, &stack, replica, &counts)?,
+        );
     }
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
     let mut senders = Vec::new();
     for index in 0..args.streams {
-        let stream = format!("rebalance-{index}-{}", &uuid::Uuid::new_v4().simple().to_string()[..6]);
-        let (http, base, stop, sent) = (http.clone(), base.clone(), Arc::clone(&stop), Arc::clone(&sent));
+        let stream = format!(
+            "rebalance-{index}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let (http, base, stop, sent) = (
+            http.clone(),
+            base.clone(),
+            Arc::clone(&stop),
+            Arc::clone(&sent),
+        );
         senders.push(tokio::spawn(async move {
             let mut seq = 0u64;
             while !stop.load(Ordering::Acquire) {
@@ -215,13 +237,31 @@ pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
         args.cycles,
         rebalances
     );
-    println!("{:<58} {:>8}", "during the scaling (after warm-up)", "count");
+    println!(
+        "{:<58} {:>8}",
+        "during the scaling (after warm-up)", "count"
+    );
     let rows = [
-        ("open documents of revoked partitions aborted", end.revoked_documents - warm.revoked_documents),
-        ("open documents dropped by session restarts", end.session_documents - warm.session_documents),
-        ("open documents dropped by the stopped worker", end.stopped_documents - warm.stopped_documents),
-        ("session restarts", end.session_restarts - warm.session_restarts),
-        ("transactions refused by the group, carried on", end.refused_transactions - warm.refused_transactions),
+        (
+            "open documents of revoked partitions aborted",
+            end.revoked_documents - warm.revoked_documents,
+        ),
+        (
+            "open documents dropped by session restarts",
+            end.session_documents - warm.session_documents,
+        ),
+        (
+            "open documents dropped by the stopped worker",
+            end.stopped_documents - warm.stopped_documents,
+        ),
+        (
+            "session restarts",
+            end.session_restarts - warm.session_restarts,
+        ),
+        (
+            "transactions refused by the group, carried on",
+            end.refused_transactions - warm.refused_transactions,
+        ),
         ("partition revocations", end.revocations - warm.revocations),
         ("assignments taken", end.assignments - warm.assignments),
     ];

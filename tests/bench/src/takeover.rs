@@ -41,9 +41,12 @@ pub async fn run(args: TakeoverArgs) -> anyhow::Result<()> {
         .find(|spec| spec.name == names.watermarks)
         .context("the design has a watermark topic")?;
     let design_topic = TestTopic::adopt(design).await;
-    let legacy_topic =
-        TestTopic::create_with("bench.takeover.legacy", 12, &[("cleanup.policy", "compact")])
-            .await;
+    let legacy_topic = TestTopic::create_with(
+        "bench.takeover.legacy",
+        12,
+        &[("cleanup.policy", "compact")],
+    )
+    .await;
     let producer = TransactionalProducer::connect(&settings, &unique("bench-takeover")).await?;
     for topic in [&legacy_topic.name, &design_topic.name] {
         write_watermarks(&producer, topic, args.writes, args.streams).await?;
@@ -62,19 +65,29 @@ pub async fn run(args: TakeoverArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_secs(5)).await;
     };
     ensure!(legacy_read >= args.writes, "the legacy topic lost writes");
-    println!("take-over read of watermark partition 0 after {} writes over {} streams", args.writes, args.streams);
+    println!(
+        "take-over read of watermark partition 0 after {} writes over {} streams",
+        args.writes, args.streams
+    );
     println!("{:<46} {:>10} {:>10}", "topic", "records", "ms");
     println!(
         "{:<46} {:>10} {:>10.0}",
-        "compacted only (before)", legacy_read, legacy_seconds * 1000.0
+        "compacted only (before)",
+        legacy_read,
+        legacy_seconds * 1000.0
     );
     println!(
         "{:<46} {:>10} {:>10.0}",
-        "design settings, before the cleaner ran", fresh_read, fresh_seconds * 1000.0
+        "design settings, before the cleaner ran",
+        fresh_read,
+        fresh_seconds * 1000.0
     );
     println!(
         "{:<46} {:>10} {:>10.0}",
-        format!("design settings, compacted ({:.0} s later)", waited.elapsed().as_secs_f64()),
+        format!(
+            "design settings, compacted ({:.0} s later)",
+            waited.elapsed().as_secs_f64()
+        ),
         compacted_read,
         compacted_seconds * 1000.0
     );
@@ -141,7 +154,10 @@ fn read_to_end(topic: &str) -> anyhow::Result<(usize, f64)> {
     consumer.assign(&assignment)?;
     let mut read = 0;
     loop {
-        ensure!(started.elapsed() < Duration::from_secs(120), "read of {topic} did not end");
+        ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "read of {topic} did not end"
+        );
         match consumer.poll(Duration::from_millis(200)) {
             None => {}
             Some(Ok(_)) => read += 1,
