@@ -289,3 +289,92 @@ async fn two_processes_with_one_replica_id_stop_fencing_each_other_and_say_why()
         "its last words name worker.replica_id and the id: {log}"
     );
 }
+
+fn out(topic: &str, tag: &str) -> quire_queue::OutMessage {
+    quire_queue::OutMessage::new(topic, None, tag.as_bytes().to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_transaction_carries_every_owned_partition_so_a_fenced_member_commits_nothing() {
+    use quire_queue::{ArrayConsumer, ConsumerOptions, QueueError, TransactionalProducer};
+    let settings = quire_tests::kafka_settings();
+    let topic = quire_tests::TestTopic::create("fence-offsets", 2).await;
+    let output = quire_tests::TestTopic::create("fence-offsets-out", 1).await;
+    let group = quire_tests::unique("fence-offsets");
+    let producer =
+        TransactionalProducer::connect(&settings, &quire_tests::unique("fence-producer"))
+            .await
+            .expect("producer");
+    // Twenty messages on partition 0; partition 1 stays empty, never read.
+    producer
+        .transact(
+            (0..20)
+                .map(|n| out(&topic.name, &format!("m{n}")).to_partition(0))
+                .collect(),
+        )
+        .await
+        .expect("input");
+    let mut options = ConsumerOptions::new(&group, &topic.name);
+    options.group_instance_id = Some("member".into());
+    options.cooperative = true;
+    options.session_timeout = Some(Duration::from_secs(6));
+    let first = ArrayConsumer::new(&settings, &options).expect("consumer");
+    let deadline = Instant::now() + LONG;
+    let mut read = 0;
+    let last = loop {
+        let array = first
+            .next_array(100, Duration::from_millis(300))
+            .await
+            .expect("next_array");
+        read += array.len();
+        if read >= 20 {
+            break array;
+        }
+        assert!(Instant::now() < deadline, "only {read} of 20 read");
+    };
+
+    // Only partition 0's offset is given; partition 1's start goes too.
+    let outcome = first
+        .commit_in_transaction(
+            &last,
+            Some(BTreeMap::from([(0, 20)])),
+            &producer,
+            vec![out(&output.name, "committed")],
+        )
+        .await
+        .expect("a member's transaction");
+    assert_eq!(outcome.commit.committed, BTreeMap::from([(0, 20), (1, 0)]));
+    assert_eq!(
+        quire_tests::committed_offsets(&settings, &group, &topic.name, 2),
+        vec![Some(20), Some(0)]
+    );
+
+    // A second consumer with the same static member id takes the
+    // membership over; the first, with no offset to move, still publishes
+    // under its old membership, and is refused.
+    let second = ArrayConsumer::new(&settings, &options).expect("consumer");
+    let deadline = Instant::now() + LONG;
+    while second.assignment().is_empty() {
+        assert!(Instant::now() < deadline, "the second member got nothing");
+        second
+            .next_array(100, Duration::from_millis(300))
+            .await
+            .expect("next_array");
+    }
+    let error = first
+        .commit_in_transaction(
+            &last,
+            Some(BTreeMap::new()),
+            &producer,
+            vec![out(&output.name, "zombie")],
+        )
+        .await
+        .expect_err("a fenced member's transaction");
+    assert!(matches!(error, QueueError::GroupRefused(_)), "{error}");
+    let published: Vec<Vec<u8>> = read_all(&settings, &output.name, 1, true)
+        .into_iter()
+        .map(|message| message.payload)
+        .collect();
+    assert_eq!(published, vec![b"committed".to_vec()]);
+    tokio::task::block_in_place(|| drop((first, second, producer)));
+}
