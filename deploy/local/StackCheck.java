@@ -25,6 +25,9 @@ import java.util.concurrent.TimeUnit;
 
 import org.apache.kafka.clients.admin.Admin;
 import org.apache.kafka.clients.admin.AdminClientConfig;
+import org.apache.kafka.clients.admin.AlterConfigOp;
+import org.apache.kafka.clients.admin.ConfigEntry;
+import org.apache.kafka.common.config.ConfigResource;
 import org.apache.kafka.clients.admin.NewTopic;
 import org.apache.kafka.clients.admin.TopicDescription;
 import org.apache.kafka.clients.consumer.ConsumerConfig;
@@ -150,7 +153,21 @@ public class StackCheck {
                 if (!(e.getCause() instanceof TopicExistsException)) {
                     throw e;
                 }
-                // Existing topics are left alone: changing a partition count would move streams.
+                // Existing topics keep their partition count (changing it would move
+                // streams) and their retention (the operator's); their compaction
+                // bounds are brought to the spec's, so a stack made by an earlier
+                // release gets the bounds the services now check.
+                List<AlterConfigOp> ops = new ArrayList<>();
+                for (Map.Entry<String, String> entry : topic.configs().entrySet()) {
+                    String key = entry.getKey();
+                    if (key.startsWith("segment.") || key.contains("compaction") || key.contains("cleanable")) {
+                        ops.add(new AlterConfigOp(new ConfigEntry(key, entry.getValue()), AlterConfigOp.OpType.SET));
+                    }
+                }
+                if (!ops.isEmpty()) {
+                    admin.incrementalAlterConfigs(Map.of(new ConfigResource(ConfigResource.Type.TOPIC, topic.name()), ops)).all().get();
+                    System.out.println("stack-check: topic " + topic.name() + " compaction settings brought up to date");
+                }
                 TopicDescription description = admin.describeTopics(Set.of(topic.name())).allTopicNames().get().get(topic.name());
                 int actual = description.partitions().size();
                 if (actual != topic.partitions()) {

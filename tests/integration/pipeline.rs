@@ -268,8 +268,11 @@ async fn a_definition_applies_from_the_next_document_and_a_replay_renders_the_sa
 
     // A replay by another group into another bucket, from the same log.
     let replay_bucket = TestBucket::create("e2e-replay").await;
+    let watermark_settings: Vec<(&str, &str)> = std::iter::once(("cleanup.policy", "compact"))
+        .chain(quire_queue::WATERMARK_COMPACTION.iter().copied())
+        .collect();
     let replay_watermarks =
-        TestTopic::create_with("replay-watermarks", 12, &[("cleanup.policy", "compact")]).await;
+        TestTopic::create_with("replay-watermarks", 12, &watermark_settings).await;
     let replay_events = TestTopic::create("replay-events", 3).await;
     let replay_group = unique("replay");
     let _replayer = stack.spawn_worker(

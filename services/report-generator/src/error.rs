@@ -28,6 +28,11 @@ pub enum WorkerError {
 
     #[error("blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+
+    #[error(
+        "this worker was fenced {fenced} times in a row: another process is running with worker.replica_id = {replica_id:?} (the replica id makes the transactional id and the static group member id); give every replica its own worker.replica_id"
+    )]
+    ReplicaIdInUse { replica_id: String, fenced: u32 },
 }
 
 /// What the supervisor does about an error that ended a session.
@@ -60,6 +65,8 @@ impl WorkerError {
             WorkerError::Config(_) => true,
             // A panic is a bug; a cancelled task only happens at shutdown.
             WorkerError::Join(error) => error.is_panic(),
+            // Another process holds the same identity: an operator's error.
+            WorkerError::ReplicaIdInUse { .. } => true,
         };
         if permanent {
             Recovery::Exit
@@ -82,6 +89,7 @@ impl WorkerError {
             WorkerError::WatermarksUnstable { .. } => "watermarks-unstable",
             WorkerError::Writer(_) | WorkerError::S3(_) => "s3",
             WorkerError::Join(_) => "task",
+            WorkerError::ReplicaIdInUse { .. } => "config",
         }
     }
 }

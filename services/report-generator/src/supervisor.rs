@@ -14,7 +14,10 @@
 //! again: exactly once holds.
 //!
 //! Errors a restart cannot cure ([`Recovery::Exit`]) end the run with the
-//! error, and the process exits non-zero.
+//! error, and the process exits non-zero. So does being fenced
+//! [`FENCED_IN_A_ROW_LIMIT`] sessions in a row: one fencing is cured by a new
+//! session, but two processes with the same `worker.replica_id` fence each
+//! other at every restart, forever.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -22,12 +25,23 @@ use std::time::{Duration, Instant};
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use quire_config::{Settings, WorkerSettings};
 
+use quire_queue::QueueError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+
 use crate::error::Recovery;
 use crate::monitoring::{Monitor, SessionState};
 use crate::{Mode, RunSummary, Worker, WorkerError};
 
 /// How often a wait (backoff, build) looks at the stop flag.
 const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// Sessions ended by fencing one after the other before the worker gives up:
+/// its own transaction timeout or a replacement starting early fence it once;
+/// a second process with the same replica id fences it at every session.
+pub const FENCED_IN_A_ROW_LIMIT: u32 = 3;
+
+/// A session that ran this long before it was fenced starts the count again.
+const FENCED_COUNT_RESET: Duration = Duration::from_secs(600);
 
 /// Runs sessions until serve mode is stopped, drain mode has drained, or an
 /// error that a restart cannot cure. Returns what every session did together.
@@ -40,6 +54,7 @@ pub async fn run(
     let mut total = RunSummary::default();
     let mut backoff = RestartBackoff::new(&settings.worker);
     let mut restarts: u64 = 0;
+    let mut fencing = FencingCount::default();
     loop {
         monitor.health.set_state(SessionState::Starting);
         let started = Instant::now();
@@ -52,6 +67,14 @@ pub async fn run(
                     }
                     let result = worker.run(mode, stop).await;
                     total.add(worker.summary());
+                    let dropped = worker.open_documents();
+                    if dropped > 0 {
+                        tracing::info!(
+                            documents = dropped,
+                            ended = if result.is_ok() { "stop" } else { "error" },
+                            "open documents dropped: their next owner renders them again"
+                        );
+                    }
                     monitor.health.set_state(SessionState::Stopping);
                     worker.shut_down().await;
                     result
@@ -69,6 +92,13 @@ pub async fn run(
                 return Ok(total);
             }
             Err(error) => error,
+        };
+        let error = match fencing.session_ended(&error, started.elapsed()) {
+            Some(fenced) => WorkerError::ReplicaIdInUse {
+                replica_id: settings.worker.replica_id.clone(),
+                fenced,
+            },
+            None => error,
         };
         if error.recovery() == Recovery::Exit {
             tracing::error!(
@@ -114,6 +144,42 @@ fn hint(error: &WorkerError) -> &'static str {
         }
         "s3" => "the S3 server failed after the writer's retries; is it reachable?",
         _ => "",
+    }
+}
+
+/// Whether a session ended because another process took this worker's
+/// identity: its producer fenced (a newer epoch of its transactional id), or
+/// its consumer fenced (librdkafka's only fatal consumer error: a static
+/// member with the same `group.instance.id` joined).
+fn ended_by_fencing(error: &WorkerError) -> bool {
+    match error {
+        WorkerError::Queue(QueueError::ProducerFatal(_)) => true,
+        WorkerError::Queue(QueueError::Consume(KafkaError::MessageConsumptionFatal(_))) => true,
+        WorkerError::Queue(QueueError::GroupRefused(error)) => {
+            error.rdkafka_error_code() == Some(RDKafkaErrorCode::FencedInstanceId)
+        }
+        _ => false,
+    }
+}
+
+/// Sessions ended by fencing one after the other.
+#[derive(Debug, Default)]
+struct FencingCount {
+    in_a_row: u32,
+}
+
+impl FencingCount {
+    /// Counts a session's end; `Some(count)` once the limit is reached.
+    fn session_ended(&mut self, error: &WorkerError, lasted: Duration) -> Option<u32> {
+        if !ended_by_fencing(error) {
+            self.in_a_row = 0;
+            return None;
+        }
+        if lasted > FENCED_COUNT_RESET {
+            self.in_a_row = 0;
+        }
+        self.in_a_row += 1;
+        (self.in_a_row >= FENCED_IN_A_ROW_LIMIT).then_some(self.in_a_row)
     }
 }
 
@@ -217,6 +283,63 @@ mod tests {
     fn an_initial_delay_above_the_maximum_is_capped() {
         let mut backoff = RestartBackoff::new(&settings(60_000, 5_000));
         assert_eq!(backoff.next_delay(Duration::ZERO), Duration::from_secs(5));
+    }
+
+    fn fenced() -> WorkerError {
+        WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+            RDKafkaErrorCode::Fatal,
+        )))
+    }
+
+    #[test]
+    fn being_fenced_once_restarts_and_again_and_again_gives_up() {
+        let mut count = FencingCount::default();
+        let quick = Duration::from_secs(5);
+        assert_eq!(count.session_ended(&fenced(), quick), None);
+        let other = WorkerError::S3("timeout".into());
+        assert_eq!(
+            count.session_ended(&other, quick),
+            None,
+            "another failure breaks the row"
+        );
+        assert_eq!(count.session_ended(&fenced(), quick), None);
+        assert_eq!(count.session_ended(&fenced(), quick), None);
+        assert_eq!(
+            count.session_ended(&fenced(), quick),
+            Some(FENCED_IN_A_ROW_LIMIT)
+        );
+        let consumer_fenced = WorkerError::Queue(QueueError::Consume(
+            KafkaError::MessageConsumptionFatal(RDKafkaErrorCode::Fatal),
+        ));
+        let mut count = FencingCount::default();
+        for _ in 1..FENCED_IN_A_ROW_LIMIT {
+            assert_eq!(count.session_ended(&consumer_fenced, quick), None);
+        }
+        assert!(count.session_ended(&consumer_fenced, quick).is_some());
+    }
+
+    #[test]
+    fn a_session_that_worked_for_long_starts_the_fencing_count_again() {
+        let mut count = FencingCount::default();
+        let quick = Duration::from_secs(5);
+        count.session_ended(&fenced(), quick);
+        count.session_ended(&fenced(), quick);
+        assert_eq!(
+            count.session_ended(&fenced(), FENCED_COUNT_RESET + quick),
+            None
+        );
+    }
+
+    #[test]
+    fn the_replica_id_in_use_exits_naming_the_setting() {
+        let error = WorkerError::ReplicaIdInUse {
+            replica_id: "worker-7".into(),
+            fenced: 3,
+        };
+        assert_eq!(error.recovery(), Recovery::Exit);
+        let message = error.to_string();
+        assert!(message.contains("worker.replica_id"), "{message}");
+        assert!(message.contains("worker-7"), "{message}");
     }
 
     #[tokio::test]

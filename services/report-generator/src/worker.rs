@@ -8,6 +8,7 @@
 //! (`supervisor.rs`) decides whether to build a new one.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,7 @@ use quire_messages::{
     ReportEvent, ReportEventKind, ReportId, StreamName, Trigger,
 };
 use quire_queue::{
-    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, RebalanceEvent,
+    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, QueueError, RebalanceEvent,
     TransactionalProducer,
 };
 use quire_s3::{S3Bucket, UploadPolicy};
@@ -96,7 +97,63 @@ struct Outbox {
     dead_letters: u64,
     /// Release messages skipped (producers' control messages, no stream).
     released: u64,
+    /// The record partition each message (then each report) came from, in
+    /// order: a transaction the group refused is carried to the next array
+    /// without the partitions revoked meanwhile.
+    sources: Sources,
 }
+
+#[derive(Default)]
+struct Sources {
+    messages: Vec<i32>,
+    reports: Vec<i32>,
+}
+
+impl Outbox {
+    /// The messages and reports added since the last tag came from `partition`.
+    fn tag_new(&mut self, partition: i32) {
+        let untagged = self.messages.len() - self.sources.messages.len();
+        self.sources
+            .messages
+            .extend(std::iter::repeat_n(partition, untagged));
+        let untagged = self.reports.len() - self.sources.reports.len();
+        self.sources
+            .reports
+            .extend(std::iter::repeat_n(partition, untagged));
+    }
+
+    /// The messages added since the last tag are the worker's markers (or
+    /// watermarks): each comes from the record partition it is written to.
+    fn tag_new_by_target(&mut self) {
+        for message in &self.messages[self.sources.messages.len()..] {
+            self.sources.messages.push(message.partition.unwrap_or(-1));
+        }
+    }
+
+    /// Forgets what came from `partition`; how many messages that was.
+    fn drop_partition(&mut self, partition: i32) -> usize {
+        debug_assert_eq!(self.messages.len(), self.sources.messages.len());
+        let before = self.messages.len();
+        let mut sources = self.sources.messages.iter();
+        self.messages.retain(|_| sources.next() != Some(&partition));
+        self.sources.messages.retain(|source| *source != partition);
+        let mut sources = self.sources.reports.iter();
+        self.reports.retain(|_| sources.next() != Some(&partition));
+        self.sources.reports.retain(|source| *source != partition);
+        before - self.messages.len()
+    }
+}
+
+/// A transaction the group refused, kept for the next array's.
+struct Refused {
+    outbox: Outbox,
+    /// When the first of the refusals in a row happened.
+    since: Instant,
+}
+
+/// Refused transactions are carried over for at least this long (and at
+/// least `worker.session_timeout_ms`) before the session is restarted.
+const REFUSED_CARRY_MIN: Duration = Duration::from_secs(10);
 
 /// One session of the worker.
 pub struct Worker {
@@ -107,6 +164,8 @@ pub struct Worker {
     partitions: BTreeMap<i32, PartitionState>,
     monitor: Monitor,
     summary: RunSummary,
+    /// The last transaction, if the group refused it.
+    refused: Option<Refused>,
 }
 
 impl Worker {
@@ -167,7 +226,13 @@ impl Worker {
             partitions: BTreeMap::new(),
             monitor: monitor.clone(),
             summary: RunSummary::default(),
+            refused: None,
         })
+    }
+
+    /// The documents open now, over every partition held.
+    pub fn open_documents(&self) -> usize {
+        self.partitions.values().map(|state| state.open.len()).sum()
     }
 
     /// What this session did so far (committed arrays only).
@@ -191,11 +256,16 @@ impl Worker {
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
             self.handle_rebalances(&array.rebalances).await?;
-            let mut outbox = Outbox::default();
+            let (mut outbox, refused_since) = match self.refused.take() {
+                Some(refused) => (refused.outbox, Some(refused.since)),
+                None => (Outbox::default(), None),
+            };
             for message in &array.messages {
                 self.process(message, &mut outbox).await?;
+                outbox.tag_new(message.partition);
             }
             self.decide_timed_rollovers(&mut outbox);
+            outbox.tag_new_by_target();
             if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records {
                 // The seed's exits (a short array or an empty wait) mean
                 // "caught up" only with every assigned partition at its end.
@@ -203,13 +273,21 @@ impl Worker {
             }
             if draining {
                 self.cut_everything_open(&mut outbox);
+                outbox.tag_new_by_target();
             }
             let records = outbox.records;
             let dead_letters = outbox.dead_letters;
             let released = outbox.released;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
-            let transaction = self.commit(&array, outbox).await?;
+            let transaction = match self.commit(&array, &mut outbox).await {
+                Ok(transaction) => transaction,
+                Err(WorkerError::Queue(QueueError::GroupRefused(error))) => {
+                    self.carry_refused(outbox, refused_since, error)?;
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             self.summary.records += records;
             self.summary.reports += reports.len() as u64;
             self.summary.dead_letters += dead_letters;
@@ -301,32 +379,43 @@ impl Worker {
         self.partitions.values().all(|state| state.open.is_empty())
     }
 
+    /// Applies a read's rebalance events in order, then takes over the
+    /// partitions still assigned once all of them are applied: a partition
+    /// assigned and revoked again within one read is not swept (its pending
+    /// uploads belong to its live owner by then).
     async fn handle_rebalances(&mut self, events: &[RebalanceEvent]) -> Result<(), WorkerError> {
         for event in events {
-            match event {
-                RebalanceEvent::Assigned(partitions) => {
-                    self.monitor.metrics.rebalanced(true);
-                    self.take_partitions(partitions).await?;
+            self.monitor
+                .metrics
+                .rebalanced(matches!(event, RebalanceEvent::Assigned(_)));
+            let RebalanceEvent::Revoked { partitions, lost } = event else {
+                continue;
+            };
+            for partition in partitions {
+                if let Some(refused) = &mut self.refused {
+                    let dropped = refused.outbox.drop_partition(*partition);
+                    if dropped > 0 {
+                        tracing::info!(
+                            partition,
+                            messages = dropped,
+                            "partition revoked: its messages leave the refused transaction"
+                        );
+                    }
                 }
-                RebalanceEvent::Revoked { partitions, lost } => {
-                    self.monitor.metrics.rebalanced(false);
-                    for partition in partitions {
-                        if let Some(state) = self.partitions.remove(partition) {
-                            tracing::info!(
-                                partition,
-                                lost,
-                                open = state.open.len(),
-                                "partition revoked: aborting its open documents"
-                            );
-                            for (_, document) in state.open {
-                                document.abort().await;
-                            }
-                        }
+                if let Some(state) = self.partitions.remove(partition) {
+                    tracing::info!(
+                        partition,
+                        lost,
+                        open = state.open.len(),
+                        "partition revoked: aborting its open documents"
+                    );
+                    for (_, document) in state.open {
+                        document.abort().await;
                     }
                 }
             }
         }
-        Ok(())
+        self.take_partitions(&still_assigned_after(events)).await
     }
 
     /// A new owner: load the partitions' watermarks (after any open
@@ -441,22 +530,62 @@ impl Worker {
         }
     }
 
+    /// A transaction the group refused because its generation moved (a
+    /// rebalance completed without this member, or it was timed out or
+    /// fenced): nothing of it is visible. Instead of ending the session and
+    /// rendering every open document of every partition again, its messages
+    /// are kept for the next array's transaction, which applies the
+    /// rebalance first: what came from revoked partitions is dropped with
+    /// them, the rest is committed with the next array, under the new
+    /// generation. Bounded: refused for longer than the session timeout (the
+    /// group's own bound on an unresponsive member), the session ends.
+    fn carry_refused(
+        &mut self,
+        outbox: Outbox,
+        refused_since: Option<Instant>,
+        error: rdkafka::error::KafkaError,
+    ) -> Result<(), WorkerError> {
+        let since = refused_since.unwrap_or_else(Instant::now);
+        let limit =
+            Duration::from_millis(self.context.settings.session_timeout_ms).max(REFUSED_CARRY_MIN);
+        if since.elapsed() > limit {
+            tracing::warn!(
+                refused_for_ms = since.elapsed().as_millis() as u64,
+                "transactions refused by the group for too long; restarting the session"
+            );
+            return Err(WorkerError::Queue(QueueError::GroupRefused(error)));
+        }
+        tracing::warn!(
+            error = %error,
+            messages = outbox.messages.len(),
+            "transaction refused by the group; committing what is still owned with the next array"
+        );
+        self.refused = Some(Refused { outbox, since });
+        Ok(())
+    }
+
     /// ONE transaction: events, dead letters, markers, watermarks and the
     /// offsets (never past an open document), with the group metadata.
-    /// Returns how long the transaction took, if there was one.
+    /// Returns how long the transaction took, if there was one. The outbox
+    /// is left whole when the transaction fails.
     async fn commit(
         &mut self,
         array: &Array,
-        mut outbox: Outbox,
+        outbox: &mut Outbox,
     ) -> Result<Option<Duration>, WorkerError> {
+        // The offsets of every owned partition go with every transaction,
+        // moved or not (the queue adds the commit points of partitions not
+        // read yet), so the group checks every transaction against its
+        // generation: a worker that froze while its partitions moved gets
+        // its events and watermarks refused with its offsets.
         let mut offsets = BTreeMap::new();
+        let mut moved = false;
         for (&partition, state) in &mut self.partitions {
             let Some(safe) = state.safe_offset() else {
                 continue;
             };
-            if state.committed != Some(safe) {
-                offsets.insert(partition, safe);
-            }
+            moved |= state.committed != Some(safe);
+            offsets.insert(partition, safe);
             for (stream, watermark) in state.watermarks_to_write(safe) {
                 outbox.messages.push(
                     OutMessage::new(
@@ -468,20 +597,27 @@ impl Worker {
                 );
             }
         }
-        if offsets.is_empty() && outbox.messages.is_empty() {
+        outbox.tag_new_by_target();
+        if !moved && outbox.messages.is_empty() {
             return Ok(None);
         }
-        if !outbox.reports.is_empty() && crash_before_commit_requested() {
-            // The end-to-end tests' failpoint: a crash after objects were
-            // completed in S3 and before the transaction that announces them.
-            tracing::error!("failpoint crash-before-commit: aborting the process");
-            std::process::abort();
+        if !outbox.reports.is_empty() {
+            failpoint_before_commit();
         }
         let started = Instant::now();
+        let messages = Arc::new(std::mem::take(&mut outbox.messages));
         let outcome = self
             .consumer
-            .commit_in_transaction(array, Some(offsets), &self.producer, outbox.messages)
-            .await?;
+            .commit_shared_in_transaction(
+                array,
+                Some(offsets),
+                &self.producer,
+                Arc::clone(&messages),
+            )
+            .await;
+        // The transaction's task has ended: the messages are ours alone again.
+        outbox.messages = Arc::try_unwrap(messages).unwrap_or_else(|shared| (*shared).clone());
+        let outcome = outcome?;
         let took = started.elapsed();
         for (partition, offset) in &outcome.commit.committed {
             if let Some(state) = self.partitions.get_mut(partition) {
@@ -823,9 +959,50 @@ fn newer_record_version(message: &InMessage) -> Option<String> {
     }
 }
 
-/// `QUIRE_WORKER_FAILPOINT=crash-before-commit`: for the crash tests only.
-fn crash_before_commit_requested() -> bool {
-    std::env::var("QUIRE_WORKER_FAILPOINT").is_ok_and(|value| value == "crash-before-commit")
+/// The partitions assigned by `events` (in order) that no later event of
+/// them revoked: the ones a read leaves this worker to take over.
+fn still_assigned_after(events: &[RebalanceEvent]) -> Vec<i32> {
+    let mut assigned = std::collections::BTreeSet::new();
+    for event in events {
+        match event {
+            RebalanceEvent::Assigned(partitions) => assigned.extend(partitions.iter().copied()),
+            RebalanceEvent::Revoked { partitions, .. } => {
+                for partition in partitions {
+                    assigned.remove(partition);
+                }
+            }
+        }
+    }
+    assigned.into_iter().collect()
+}
+
+/// `QUIRE_WORKER_FAILPOINT`, for the end-to-end tests only, at a transaction
+/// that announces reports whose objects are already completed in S3:
+/// - `crash-before-commit`: the process aborts (a crash in between);
+/// - `pause-before-commit`: the first time, the process stops itself
+///   (SIGSTOP, as a frozen VM or a long pause would) and commits when it is
+///   thawed (SIGCONT): a zombie that wakes up after its partitions moved.
+fn failpoint_before_commit() {
+    static PAUSED_ONCE: AtomicBool = AtomicBool::new(false);
+    match std::env::var("QUIRE_WORKER_FAILPOINT").as_deref() {
+        Ok("crash-before-commit") => {
+            tracing::error!("failpoint crash-before-commit: aborting the process");
+            std::process::abort();
+        }
+        Ok("pause-before-commit") if !PAUSED_ONCE.swap(true, Ordering::AcqRel) => {
+            tracing::warn!("failpoint pause-before-commit: stopping the process until SIGCONT");
+            // kill(1) rather than a libc binding: SIGSTOP stops every thread
+            // of this process; the command's status is collected once thawed.
+            let stopped = std::process::Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+            tracing::warn!(
+                ?stopped,
+                "failpoint pause-before-commit: thawed, committing"
+            );
+        }
+        _ => {}
+    }
 }
 
 /// Publishes, in this array's transaction, a marker that cuts `document`
@@ -901,6 +1078,60 @@ mod tests {
                 .collect(),
             timestamp_ms: None,
         }
+    }
+
+    #[test]
+    fn a_refused_outbox_forgets_what_a_revoked_partition_put_in_it() {
+        let message = |partition: Option<i32>| {
+            let message = OutMessage::new("t", None, b"m".to_vec());
+            match partition {
+                Some(partition) => message.to_partition(partition),
+                None => message,
+            }
+        };
+        let mut outbox = Outbox::default();
+        // An event and a report from partition 1, one from partition 2.
+        outbox.messages.push(message(None));
+        outbox.reports.push(Trigger::Records);
+        outbox.tag_new(1);
+        outbox.messages.push(message(None));
+        outbox.reports.push(Trigger::Age);
+        outbox.tag_new(2);
+        // A worker's marker and a watermark, written to the partition they
+        // come from.
+        outbox.messages.push(message(Some(2)));
+        outbox.messages.push(message(Some(1)));
+        outbox.tag_new_by_target();
+        assert_eq!(outbox.drop_partition(1), 2);
+        assert_eq!(outbox.messages.len(), 2);
+        assert_eq!(outbox.reports, [Trigger::Age]);
+        assert_eq!(outbox.sources.messages, [2, 2]);
+        assert_eq!(
+            outbox.drop_partition(3),
+            0,
+            "nothing of an unknown partition"
+        );
+    }
+
+    #[test]
+    fn only_partitions_still_assigned_after_every_event_of_a_read_are_taken() {
+        let assigned = |partitions: &[i32]| RebalanceEvent::Assigned(partitions.to_vec());
+        let revoked = |partitions: &[i32]| RebalanceEvent::Revoked {
+            partitions: partitions.to_vec(),
+            lost: false,
+        };
+        assert_eq!(still_assigned_after(&[assigned(&[1, 2])]), [1, 2]);
+        assert_eq!(
+            still_assigned_after(&[assigned(&[1, 2]), revoked(&[1])]),
+            [2],
+            "assigned then revoked in one read: not swept"
+        );
+        assert_eq!(
+            still_assigned_after(&[revoked(&[3]), assigned(&[3])]),
+            [3],
+            "revoked then given back: taken again"
+        );
+        assert!(still_assigned_after(&[revoked(&[4])]).is_empty());
     }
 
     #[test]

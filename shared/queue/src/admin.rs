@@ -22,6 +22,23 @@ pub struct TopicSpec {
 
 const SEVEN_DAYS_MS: u64 = 7 * 24 * 3600 * 1000;
 
+/// The watermark topic's compaction settings: what bounds the read of a
+/// take-over. The active segment is never compacted, so it rolls after
+/// `segment.ms` or `segment.bytes`, whichever comes first; the cleaner then
+/// compacts a partition once a tenth of it is dirty, and at the latest
+/// `max.compaction.lag.ms` after a write, with no minimum lag. A new owner
+/// therefore reads one latest value per stream plus at most about a segment
+/// (1 MiB, or ten minutes of writes) of not-yet-compacted ones, however long
+/// the topic has lived. Checked at start-up: each is a bound the topic must
+/// not exceed.
+pub const WATERMARK_COMPACTION: &[(&str, &str)] = &[
+    ("segment.ms", "600000"),
+    ("segment.bytes", "1048576"),
+    ("min.cleanable.dirty.ratio", "0.1"),
+    ("min.compaction.lag.ms", "0"),
+    ("max.compaction.lag.ms", "600000"),
+];
+
 /// The project's topics, per DESIGN.md.
 pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
     let spec = |name: &str, partitions: i32, config: &[(&str, String)]| TopicSpec {
@@ -42,7 +59,13 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
         spec(
             &names.watermarks,
             12,
-            &[("cleanup.policy", "compact".to_owned())],
+            &std::iter::once(("cleanup.policy", "compact".to_owned()))
+                .chain(
+                    WATERMARK_COMPACTION
+                        .iter()
+                        .map(|(key, value)| (*key, (*value).to_owned())),
+                )
+                .collect::<Vec<_>>(),
         ),
         spec(&names.report_events, 3, &[]),
         spec(&names.dead_letters, 3, &[]),
@@ -170,6 +193,77 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
                 spec.name
             )));
         }
+        // The compaction bounds may be tightened, never loosened: a looser
+        // one lets a take-over read unbounded history.
+        for (key, bound) in &spec.config {
+            if !WATERMARK_COMPACTION
+                .iter()
+                .any(|(bounded, _)| bounded == key)
+            {
+                continue;
+            }
+            let actual = config
+                .get(key)
+                .and_then(|entry| entry.value.clone())
+                .unwrap_or_default();
+            if !within_bound(&actual, bound) {
+                return Err(QueueError::TopicMismatch(format!(
+                    "topic {} has {key}={actual}, expected at most {bound} (so a take-over reads a bounded amount)",
+                    spec.name
+                )));
+            }
+        }
     }
     Ok(())
+}
+
+/// Whether a numeric topic setting is at most its bound; an unreadable value
+/// is not.
+fn within_bound(actual: &str, bound: &str) -> bool {
+    match (actual.trim().parse::<f64>(), bound.parse::<f64>()) {
+        (Ok(actual), Ok(bound)) => actual <= bound,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watermark_topic_is_compacted_within_bounds_and_the_records_are_not() {
+        let names = TopicNames {
+            records: "r".into(),
+            report_events: "e".into(),
+            watermarks: "w".into(),
+            dead_letters: "d".into(),
+        };
+        let specs = design_topics(&names, 1);
+        let watermarks = specs.iter().find(|spec| spec.name == "w").unwrap();
+        for (key, value) in WATERMARK_COMPACTION {
+            assert!(
+                watermarks
+                    .config
+                    .contains(&((*key).to_owned(), (*value).to_owned())),
+                "{key}"
+            );
+        }
+        let records = specs.iter().find(|spec| spec.name == "r").unwrap();
+        assert!(
+            records
+                .config
+                .iter()
+                .all(|(key, _)| key != "cleanup.policy")
+        );
+    }
+
+    #[test]
+    fn a_bound_may_be_tightened_not_loosened() {
+        assert!(within_bound("600000", "600000"));
+        assert!(within_bound("60000", "600000"));
+        assert!(within_bound("0.05", "0.1"));
+        assert!(!within_bound("604800000", "600000"));
+        assert!(!within_bound("0.5", "0.1"));
+        assert!(!within_bound("", "0"));
+    }
 }

@@ -253,15 +253,35 @@ impl ArrayConsumer {
     }
 
     /// The transactional commit: `messages` and the offsets go out in one
-    /// producer transaction, with this consumer's group metadata, so the
-    /// broker refuses the offsets of a fenced or stale member. `offsets`
-    /// defaults to the simple form. All of it is visible, or none.
+    /// producer transaction, with this consumer's group metadata. The offsets
+    /// are those of *every* partition still owned since `array` was read:
+    /// `offsets` where given (the simple form by default), the partition's
+    /// commit point otherwise (its start, or what this consumer last
+    /// committed). So every transaction, even one where no offset moved, is
+    /// checked by the group coordinator: a fenced, stale or frozen-and-thawed
+    /// member's transaction is refused ([`QueueError::GroupRefused`]) and
+    /// nothing of it becomes visible. All of it is visible, or none.
     pub async fn commit_in_transaction(
         &self,
         array: &Array,
         offsets: Option<BTreeMap<i32, i64>>,
         producer: &TransactionalProducer,
         messages: Vec<OutMessage>,
+    ) -> Result<TransactionOutcome, QueueError> {
+        self.commit_shared_in_transaction(array, offsets, producer, Arc::new(messages))
+            .await
+    }
+
+    /// [`commit_in_transaction`](Self::commit_in_transaction) with messages
+    /// the caller keeps: once it returns, the caller's `Arc` is the only one
+    /// left, so a caller that tries again later (a refused transaction)
+    /// takes them back without a copy.
+    pub async fn commit_shared_in_transaction(
+        &self,
+        array: &Array,
+        offsets: Option<BTreeMap<i32, i64>>,
+        producer: &TransactionalProducer,
+        messages: Arc<Vec<OutMessage>>,
     ) -> Result<TransactionOutcome, QueueError> {
         let consumer = Arc::clone(&self.consumer);
         let poll_lock = Arc::clone(&self.poll_lock);
@@ -271,7 +291,7 @@ impl ArrayConsumer {
         let producer = producer.clone();
         tokio::task::spawn_blocking(move || {
             let _no_rebalance = poll_lock.lock().expect("poll lock");
-            let commit = still_owned(&consumer, &assignment, offsets);
+            let commit = every_owned_partition(&consumer, &assignment, offsets);
             let group_metadata = consumer.group_metadata().ok_or_else(|| {
                 QueueError::Commit(KafkaError::ConsumerCommit(RDKafkaErrorCode::InvalidGroupId))
             })?;
@@ -280,7 +300,15 @@ impl ArrayConsumer {
                 offsets: &list,
                 group_metadata: &group_metadata,
             });
-            let ids = producer.transact_blocking(&messages, in_transaction)?;
+            let ids = producer.transact_blocking(&messages, in_transaction);
+            drop(messages);
+            let ids = ids?;
+            let mut state = consumer.context().lock();
+            for (&partition, &offset) in &commit.committed {
+                if state.assigned.contains_key(&partition) {
+                    state.commit_points.insert(partition, offset);
+                }
+            }
             Ok(TransactionOutcome { commit, ids })
         })
         .await?
@@ -441,6 +469,26 @@ fn still_owned(
     }
     if !outcome.dropped.is_empty() {
         tracing::info!(partitions = ?outcome.dropped, "dropped revoked partitions from a commit");
+    }
+    outcome
+}
+
+/// [`still_owned`], completed with the commit point of every partition
+/// owned since the array was read that `offsets` leaves out.
+fn every_owned_partition(
+    consumer: &BaseConsumer<QueueContext>,
+    read_under: &BTreeMap<i32, u64>,
+    offsets: BTreeMap<i32, i64>,
+) -> CommitOutcome {
+    let mut outcome = still_owned(consumer, read_under, offsets);
+    let state = consumer.context().lock();
+    for (partition, epoch) in read_under {
+        if state.assigned.get(partition) != Some(epoch) {
+            continue;
+        }
+        if let Some(&point) = state.commit_points.get(partition) {
+            outcome.committed.entry(*partition).or_insert(point);
+        }
     }
     outcome
 }

@@ -6,6 +6,12 @@
 //! epochs it was read under, and a commit drops partitions whose epoch has
 //! changed since (revoked, possibly given back).
 //!
+//! Each assigned partition also has a commit point: the offset the group
+//! holds for it, as far as this consumer knows (its start at assignment,
+//! then what this consumer committed). A transactional commit carries the
+//! commit point of every owned partition, moved or not, so the broker checks
+//! every transaction against the group's generation.
+//!
 //! With `statistics.interval.ms` set, librdkafka's statistics arrive here too
 //! (on the same polling thread): each assigned partition's high watermark,
 //! last stable offset and position are kept for the lag metrics, at no cost
@@ -37,6 +43,11 @@ pub enum RebalanceEvent {
 pub(crate) struct AssignmentState {
     /// Assigned partitions and the epoch each was assigned under.
     pub assigned: BTreeMap<i32, u64>,
+    /// For each assigned partition, the offset the group holds for it as far
+    /// as this consumer knows: the committed offset at assignment (the log's
+    /// beginning for a partition the group never committed), then each
+    /// offset this consumer commits. Absent while it could not be read.
+    pub commit_points: BTreeMap<i32, i64>,
     next_epoch: u64,
     /// Events not yet handed to the caller.
     pub pending_events: Vec<RebalanceEvent>,
@@ -143,12 +154,15 @@ impl QueueContext {
     }
 
     /// Sets each newly assigned partition's start: its committed offset, or
-    /// the beginning of the log when the group never committed one.
+    /// the beginning of the log when the group never committed one. Returns
+    /// each start as a number (the beginning read as the log's low
+    /// watermark), the partitions' first commit points.
     fn set_start_offsets(
         &self,
         consumer: &BaseConsumer<Self>,
         assignment: &mut TopicPartitionList,
-    ) {
+    ) -> BTreeMap<i32, i64> {
+        let mut starts = BTreeMap::new();
         let committed = match consumer.committed_offsets(assignment.clone(), self.request_timeout) {
             Ok(committed) => committed,
             Err(error) => {
@@ -156,13 +170,34 @@ impl QueueContext {
                 // "committed": assign anyway (librdkafka fetches them itself)
                 // and let an out-of-range surface as an error.
                 tracing::warn!(error = %error, "could not read committed offsets on assignment");
-                return;
+                return starts;
             }
         };
         for element in committed.elements() {
             let start = match element.offset() {
-                Offset::Offset(offset) => Offset::Offset(offset),
-                _ => Offset::Beginning,
+                Offset::Offset(offset) => {
+                    starts.insert(element.partition(), offset);
+                    Offset::Offset(offset)
+                }
+                _ => {
+                    match consumer.fetch_watermarks(
+                        element.topic(),
+                        element.partition(),
+                        self.request_timeout,
+                    ) {
+                        Ok((low, _)) => {
+                            starts.insert(element.partition(), low);
+                        }
+                        // Its commit point stays unknown until it is read:
+                        // the other partitions still carry the group check.
+                        Err(error) => tracing::warn!(
+                            error = %error,
+                            partition = element.partition(),
+                            "could not read where a new partition begins"
+                        ),
+                    }
+                    Offset::Beginning
+                }
             };
             if let Err(error) =
                 assignment.set_partition_offset(element.topic(), element.partition(), start)
@@ -170,6 +205,7 @@ impl QueueContext {
                 tracing::warn!(error = %error, partition = element.partition(), "could not set start offset");
             }
         }
+        starts
     }
 }
 
@@ -235,7 +271,7 @@ impl ConsumerContext for QueueContext {
             .collect();
         match error {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                self.set_start_offsets(consumer, partitions);
+                let starts = self.set_start_offsets(consumer, partitions);
                 let result = if cooperative {
                     consumer.incremental_assign(partitions)
                 } else {
@@ -249,12 +285,17 @@ impl ConsumerContext for QueueContext {
                 }
                 if !cooperative {
                     state.assigned.clear();
+                    state.commit_points.clear();
                 }
                 for &partition in &numbers {
                     state.next_epoch += 1;
                     let epoch = state.next_epoch;
                     state.assigned.insert(partition, epoch);
                     state.at_end.remove(&partition);
+                    match starts.get(&partition) {
+                        Some(&start) => state.commit_points.insert(partition, start),
+                        None => state.commit_points.remove(&partition),
+                    };
                 }
                 state.joined = true;
                 tracing::info!(partitions = ?numbers, "partitions assigned");
@@ -266,6 +307,7 @@ impl ConsumerContext for QueueContext {
                     let mut state = self.lock();
                     for partition in &numbers {
                         state.assigned.remove(partition);
+                        state.commit_points.remove(partition);
                         state.at_end.remove(partition);
                     }
                     tracing::info!(partitions = ?numbers, lost, "partitions revoked");

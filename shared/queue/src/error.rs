@@ -18,6 +18,11 @@ pub enum QueueError {
     TransactionAborted(KafkaError),
 
     #[error(
+        "kafka transaction refused by the consumer group (its generation moved: a rebalance, or this member was fenced or timed out) and aborted: nothing of it is visible: {0}"
+    )]
+    GroupRefused(KafkaError),
+
+    #[error(
         "kafka producer hit a fatal error (fenced by a newer instance or unusable); it must be recreated: {0}"
     )]
     ProducerFatal(KafkaError),

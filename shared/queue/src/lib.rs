@@ -27,7 +27,9 @@ mod group_commit;
 mod message;
 mod producer;
 
-pub use admin::{TopicSpec, check_topics, delete_topics, design_topics, ensure_topics};
+pub use admin::{
+    TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics, design_topics, ensure_topics,
+};
 pub use client::PROTECTED_PROPERTIES;
 pub use consumer::{
     Array, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit, DrainSummary,

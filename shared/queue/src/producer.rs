@@ -201,6 +201,22 @@ impl TransactionalProducer {
     }
 }
 
+/// The group coordinator's answers to offsets sent by a member whose
+/// generation is no longer the group's: a rebalance moved on without it, or
+/// it was fenced (same static id) or timed out (frozen). librdkafka makes the
+/// transaction abortable, not fatal.
+fn refused_by_the_group(error: &KafkaError) -> bool {
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::IllegalGeneration
+                | RDKafkaErrorCode::UnknownMemberId
+                | RDKafkaErrorCode::FencedInstanceId
+                | RDKafkaErrorCode::RebalanceInProgress
+        )
+    )
+}
+
 impl Inner {
     fn transact_blocking(
         &self,
@@ -298,7 +314,12 @@ impl Inner {
         if let Some(offsets) = offsets {
             self.producer
                 .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
-                .map_err(|error| self.classify(error))?;
+                .map_err(|error| match self.classify(error) {
+                    QueueError::TransactionAborted(error) if refused_by_the_group(&error) => {
+                        QueueError::GroupRefused(error)
+                    }
+                    other => other,
+                })?;
         }
         self.flush_deliveries(deadline)?;
         Ok(deliveries)

@@ -2,11 +2,13 @@
 //! in the same run, prints a table, and ends with one machine-readable line.
 //!
 //! Run against the local stack: `eval "$(deploy/local/stack env)"`, then
-//! `cargo run --release -p quire-bench -- <queue|writer|pipeline>`.
+//! `cargo run --release -p quire-bench -- <queue|writer|pipeline|rebalance|takeover>`.
 
 mod child;
 mod pipeline;
 mod queue;
+mod rebalance;
+mod takeover;
 mod writer;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +28,10 @@ enum Command {
     Writer(writer::WriterArgs),
     /// Records through HTTP into completed XML reports in S3, against plain librdkafka.
     Pipeline(pipeline::PipelineArgs),
+    /// Documents rendered again per rebalance, three workers, one scaled in and out.
+    Rebalance(rebalance::RebalanceArgs),
+    /// Take-over read time after 100,000 watermark writes, before and after compaction.
+    Takeover(takeover::TakeoverArgs),
     /// One scenario in a child process of its own (used by the others, so
     /// each peak resident memory is that scenario's alone).
     #[command(hide = true)]
@@ -45,6 +51,8 @@ fn main() -> anyhow::Result<()> {
         Command::Queue(args) => runtime.block_on(queue::run(args)),
         Command::Writer(args) => runtime.block_on(writer::run(args)),
         Command::Pipeline(args) => runtime.block_on(pipeline::run(args)),
+        Command::Rebalance(args) => runtime.block_on(rebalance::run(args)),
+        Command::Takeover(args) => runtime.block_on(takeover::run(args)),
         Command::Scenario { name, args } => runtime.block_on(child::run_scenario(&name, &args)),
     }
 }
