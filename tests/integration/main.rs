@@ -5,6 +5,7 @@ mod api;
 mod compose;
 mod dashboard;
 mod faults;
+mod memory;
 mod pipeline;
 mod queue;
 mod reports;
