@@ -69,6 +69,10 @@ impl MemoryPolicy {
     /// The part of the budget buffers may hold: the rest is reserved for the
     /// parts in flight.
     pub fn buffer_limit(&self) -> u64 {
+        if self.budget_bytes == u64::MAX {
+            // No budget: nothing to reserve from.
+            return u64::MAX;
+        }
         let reserve = (self.parts_in_flight as u64).saturating_mul(self.part_size);
         self.budget_bytes.saturating_sub(reserve)
     }
@@ -449,6 +453,14 @@ mod tests {
         assert_eq!(pool.snapshot().over_budget_bytes, 0);
         pool.force_reserve_buffer(4096);
         assert_eq!(pool.snapshot().over_budget_bytes, 2048);
+    }
+
+    #[test]
+    fn an_unlimited_pool_never_refuses_a_buffer() {
+        let pool = MemoryPool::unlimited(Arc::default());
+        assert_eq!(pool.policy().buffer_limit(), u64::MAX);
+        assert!(pool.try_reserve_buffer(1 << 40));
+        assert_eq!(pool.snapshot().over_budget_bytes, 0);
     }
 
     #[test]

@@ -445,7 +445,8 @@ impl MultipartWriter {
                 "memory budget reached and the spill is full: holding the document in memory past the budget"
             );
         }
-        self.grow_buffer(needed, true);
+        // Doubling still, so that appends past the budget stay linear.
+        self.grow_buffer(target, true);
         Ok(Room::Buffer)
     }
 
