@@ -4,7 +4,9 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use quire_s3::{RetryPolicy, S3Bucket, UploadPolicy, WriterError, WrittenObject};
+use quire_s3::{
+    MemoryPolicy, MemoryPool, RetryPolicy, S3Bucket, UploadPolicy, WriterError, WrittenObject,
+};
 use quire_tests::s3::{Fault, FaultProxy, TestBucket};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -472,4 +474,81 @@ async fn writing_one_gib_keeps_the_buffered_bytes_under_the_bound() {
         .collect();
     assert_eq!(written.sha256_hex, expected);
     assert_eq!(bucket.size(key).await, Some(GIB as i64));
+}
+
+/// A pool whose budget leaves room for one part of buffers: once `hog`
+/// holds it, every other writer of the pool must spill.
+fn spilling_pool(handle: &S3Bucket, spill_dir: &std::path::Path) -> std::sync::Arc<MemoryPool> {
+    let policy = MemoryPolicy {
+        budget_bytes: 2 * PART_SIZE as u64,
+        parts_in_flight: 1,
+        part_size: PART_SIZE as u64,
+        spill_dir: Some(spill_dir.to_owned()),
+        spill_max_bytes: 64 * MIB as u64,
+    };
+    std::sync::Arc::new(MemoryPool::new(policy, handle.counters().clone()).expect("pool"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documents_past_the_memory_budget_spill_to_disk_and_read_back_identical() {
+    let bucket = TestBucket::create("writer").await;
+    let spill_dir = std::env::temp_dir().join(quire_tests::unique("quire-writer-spill"));
+    let plain = bucket.handle();
+    let pool = spilling_pool(&plain, &spill_dir);
+    let handle = plain.with_memory(pool.clone());
+    let hog_content = document(PART_SIZE - 5);
+    let mut hog = handle.writer("reports/s/hog.xml", &small_policy()).unwrap();
+    hog.append(&hog_content).await.unwrap();
+    assert!(hog.spilled_bytes() == 0, "the first writer fits in the budget");
+
+    // Past the budget: a small document and one of several parts, in odd
+    // slices, all through the spill.
+    for (name, length) in [("small", 3 * MIB + 17), ("parts", 2 * PART_SIZE + 777_777)] {
+        let key = format!("reports/s/spilled-{name}.xml");
+        let content = document(length);
+        let mut writer = handle.writer(&key, &small_policy()).unwrap();
+        let mut spilled = 0;
+        for slice in content.chunks(4093) {
+            writer.append(slice).await.unwrap();
+            spilled = spilled.max(writer.spilled_bytes());
+        }
+        assert!(spilled > 0, "{name}: spilled");
+        assert!(
+            pool.snapshot().buffered_bytes <= PART_SIZE as u64,
+            "buffers stay within the budget less the in-flight reserve"
+        );
+        let written = writer.finish().await.expect("finish");
+        assert_eq!(written.single_put, length < PART_SIZE, "{name}");
+        assert_eq!(written.sha256_hex, sha256_hex(&content), "{name}");
+        assert!(bucket.read(&key).await.unwrap() == content, "{name}");
+    }
+    let written = hog.finish().await.unwrap();
+    assert_eq!(written.sha256_hex, sha256_hex(&hog_content));
+    assert_eq!(pool.snapshot().spilled_bytes, 0);
+    assert_eq!(pool.snapshot().in_flight_bytes, 0);
+    assert_eq!(pool.snapshot().over_budget_bytes, 0);
+    let left = std::fs::read_dir(&spill_dir).unwrap().count();
+    std::fs::remove_dir_all(&spill_dir).unwrap();
+    assert_eq!(left, 0, "spill files are removed once read back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_spilled_document_leaves_no_spill_file() {
+    let bucket = TestBucket::create("writer").await;
+    let spill_dir = std::env::temp_dir().join(quire_tests::unique("quire-writer-spill"));
+    let plain = bucket.handle();
+    let pool = spilling_pool(&plain, &spill_dir);
+    let handle = plain.with_memory(pool.clone());
+    let mut hog = handle.writer("reports/s/hog.xml", &small_policy()).unwrap();
+    hog.append(&document(PART_SIZE)).await.unwrap();
+    let mut writer = handle.writer("reports/s/aborted.xml", &small_policy()).unwrap();
+    writer.append(&document(MIB)).await.unwrap();
+    assert_eq!(writer.spilled_bytes(), MIB as u64);
+    assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 1);
+    writer.abort().await.unwrap();
+    drop(hog);
+    assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 0);
+    assert_eq!(pool.snapshot().spilled_bytes, 0);
+    assert_eq!(pool.snapshot().buffered_bytes, 0, "every buffer uncounted");
+    std::fs::remove_dir_all(&spill_dir).unwrap();
 }

@@ -13,7 +13,9 @@ use flate2::Compression;
 use flate2::GzBuilder;
 use flate2::write::GzEncoder;
 use quire_messages::{CURRENT_VERSION, Definition, Manifest, ReportId, StreamName, Trigger};
-use quire_s3::{MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
+use std::sync::Arc;
+
+use quire_s3::{MemoryPool, MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
 use quire_xml::{DocumentRenderer, RenderError, Summary};
 
 use crate::WorkerError;
@@ -24,8 +26,8 @@ use crate::WorkerError;
 /// rendered again after an upgrade (their manifests follow).
 pub const GZIP_LEVEL: u32 = 1;
 
-/// Memory a gzip document holds besides the writer's, counted against the
-/// worker's memory budget: miniz_oxide's compressor (its 32 KiB window, hash
+/// Memory a gzip document holds besides the writer's, counted in the
+/// worker's memory pool (it cannot spill, so other documents' bytes do): miniz_oxide's compressor (its 32 KiB window, hash
 /// chains, a 64 KiB code buffer and an 85 KiB output buffer, about 320 KiB),
 /// flate2's 32 KiB output buffer, and the two buffers compressed bytes pass
 /// through. An upper estimate; the compressor does not say.
@@ -80,14 +82,39 @@ enum Encoding {
 /// as the compressor emits anything (a deflate block at a time).
 struct GzipStage {
     encoder: GzEncoder<Vec<u8>>,
+    /// The compressor's memory, in the pool's count while the stage lives.
+    _counted: CountedMemory,
     /// XML bytes fed in so far.
     uncompressed: u64,
     /// The buffer handed out last, swapped back in so its capacity is reused.
     spare: Vec<u8>,
 }
 
+/// Memory counted in a pool for as long as this lives.
+struct CountedMemory {
+    pool: Option<Arc<MemoryPool>>,
+    bytes: u64,
+}
+
+impl CountedMemory {
+    fn new(pool: Option<Arc<MemoryPool>>, bytes: u64) -> Self {
+        if let Some(pool) = &pool {
+            pool.force_reserve_buffer(bytes);
+        }
+        CountedMemory { pool, bytes }
+    }
+}
+
+impl Drop for CountedMemory {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.release_buffer(self.bytes);
+        }
+    }
+}
+
 impl GzipStage {
-    fn new() -> Self {
+    fn new(pool: Option<Arc<MemoryPool>>) -> Self {
         // No mtime and no file name: the header is the same on every replay.
         let encoder = GzBuilder::new()
             .mtime(0)
@@ -95,6 +122,7 @@ impl GzipStage {
             .write(Vec::new(), Compression::new(GZIP_LEVEL));
         GzipStage {
             encoder,
+            _counted: CountedMemory::new(pool, GZIP_STATE_BYTES),
             uncompressed: 0,
             spare: Vec::new(),
         }
@@ -118,9 +146,9 @@ impl GzipStage {
 }
 
 impl Encoding {
-    fn for_definition(definition: &Definition) -> Self {
+    fn for_definition(definition: &Definition, pool: &Arc<MemoryPool>) -> Self {
         if definition.gzip {
-            Encoding::Gzip(GzipStage::new())
+            Encoding::Gzip(GzipStage::new(Some(pool.clone())))
         } else {
             Encoding::Plain
         }
@@ -164,7 +192,7 @@ impl OpenDocument {
     ) -> Result<Self, WorkerError> {
         let key = quire_messages::report_key(stream, partition, first_offset, definition.gzip);
         let renderer = DocumentRenderer::new(definition);
-        let mut encoding = Encoding::for_definition(definition);
+        let mut encoding = Encoding::for_definition(definition, bucket.memory());
         let mut writer = bucket.writer(key, policy)?;
         let mut scratch = Vec::with_capacity(4096);
         renderer.start(&mut scratch, stream.as_str(), partition, first_offset);
@@ -225,14 +253,25 @@ impl OpenDocument {
         self.writer.bytes_written()
     }
 
-    /// Bytes held in memory: the writer's buffer and parts in flight, and
-    /// the compressor's state under gzip.
-    pub fn buffered_bytes(&self) -> u64 {
+    /// Memory held: the writer's buffer capacity and parts in flight, and
+    /// the compressor's state under gzip (all counted in the worker's pool).
+    pub fn held_bytes(&self) -> u64 {
         let compressor = match &self.encoding {
             Encoding::Plain => 0,
             Encoding::Gzip(_) => GZIP_STATE_BYTES,
         };
-        self.writer.buffered_bytes() + compressor
+        self.writer.held_bytes() + compressor
+    }
+
+    /// Bytes of the document waiting in the spill directory.
+    pub fn spilled_bytes(&self) -> u64 {
+        self.writer.spilled_bytes()
+    }
+
+    /// Everything the document holds for S3, in memory or spilled: what the
+    /// memory cuts weigh (a cut frees both).
+    pub fn buffered_bytes(&self) -> u64 {
+        self.held_bytes() + self.spilled_bytes()
     }
 
     /// Ends the document at the marker `report_id` (with its log time), stores
@@ -302,6 +341,41 @@ impl OpenDocument {
     }
 }
 
+/// The memory every document of a worker session shares: the budget
+/// (`worker.memory_budget_bytes`), the limit on parts in flight across the
+/// worker (`worker.parts_in_flight_total`, reserved out of the budget) and
+/// the replica's spill directory, emptied here of what a crashed process
+/// left. A budget too small for the parts in flight, or a spill directory
+/// that cannot be made or written, is a configuration error.
+pub fn memory_pool(
+    settings: &quire_config::WorkerSettings,
+    policy: &UploadPolicy,
+    counters: &Arc<quire_s3::WriterCounters>,
+) -> Result<Arc<MemoryPool>, WorkerError> {
+    let memory_policy = quire_s3::MemoryPolicy {
+        budget_bytes: settings.memory_budget_bytes,
+        parts_in_flight: settings.parts_in_flight_total,
+        part_size: policy.part_size(),
+        spill_dir: Some(settings.replica_spill_dir()),
+        spill_max_bytes: settings.spill_max_bytes,
+    };
+    memory_policy.validate().map_err(|reason| {
+        WorkerError::Config(format!(
+            "worker.memory_budget_bytes / worker.parts_in_flight_total: {reason}"
+        ))
+    })?;
+    let pool = MemoryPool::new(memory_policy, counters.clone())
+        .map_err(|reason| WorkerError::Config(format!("worker.spill_dir: {reason}")))?;
+    tracing::info!(
+        budget_bytes = settings.memory_budget_bytes,
+        parts_in_flight_total = settings.parts_in_flight_total,
+        spill_dir = %settings.replica_spill_dir().display(),
+        spill_max_bytes = settings.spill_max_bytes,
+        "memory pool ready"
+    );
+    Ok(Arc::new(pool))
+}
+
 /// Writes the manifest through the same writer as documents, so it gets the
 /// same per-attempt timeouts, retries and counters (a single PutObject: a
 /// manifest is far below one part).
@@ -324,7 +398,7 @@ mod tests {
     /// Feeds `pieces` through a gzip stage the way a document does; returns
     /// the stored bytes.
     fn gzip_document(pieces: &[&[u8]]) -> Vec<u8> {
-        let mut stage = GzipStage::new();
+        let mut stage = GzipStage::new(None);
         let mut stored = Vec::new();
         for piece in pieces {
             stored.extend_from_slice(stage.compress(piece).unwrap());

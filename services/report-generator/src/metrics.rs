@@ -364,6 +364,33 @@ impl Collector for UploadCounters {
             in_flight.metric_type(),
         )?;
         in_flight.encode(metric)?;
+        let memory = [
+            (
+                "memory_held_bytes",
+                "Memory held for open documents: buffer capacity, spare part buffers and parts in flight (what memory_budget_bytes bounds)",
+                snapshot.memory_buffered_bytes + snapshot.memory_in_flight_bytes,
+            ),
+            (
+                "memory_in_flight_bytes",
+                "Bytes of parts and single-put documents uploading now",
+                snapshot.memory_in_flight_bytes,
+            ),
+            (
+                "spilled_bytes",
+                "Bytes of open documents spilled to the local spill directory",
+                snapshot.spilled_bytes,
+            ),
+            (
+                "memory_over_budget_bytes",
+                "Memory held past memory_budget_bytes because the spill was full or failing",
+                snapshot.memory_over_budget_bytes,
+            ),
+        ];
+        for (name, help, value) in memory {
+            let gauge = ConstGauge::new(gauge_value(value));
+            let metric = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
+            gauge.encode(metric)?;
+        }
         Ok(())
     }
 }
@@ -424,6 +451,9 @@ mod tests {
             "quire_worker_upload_retries_total 0",
             "quire_worker_uploads_aborted_total 0",
             "quire_worker_parts_in_flight 0",
+            "quire_worker_memory_held_bytes 0",
+            "quire_worker_spilled_bytes 0",
+            "quire_worker_memory_over_budget_bytes 0",
         ] {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }

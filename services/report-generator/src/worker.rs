@@ -205,6 +205,7 @@ impl Worker {
         let record_limit = declared_maximum.saturating_sub(CLOSING_ROOM);
         let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
         policy.max_in_flight = worker.parts_in_flight.max(1);
+        let memory = crate::document::memory_pool(worker, &policy, monitor.metrics.s3_counters())?;
         tracing::info!(
             replica = %worker.replica_id,
             transactional_id,
@@ -216,7 +217,7 @@ impl Worker {
             context: Context {
                 settings: worker.clone(),
                 topics,
-                bucket,
+                bucket: bucket.with_memory(memory),
                 policy,
                 record_limit,
             },
@@ -475,7 +476,10 @@ impl Worker {
     }
 
     /// Age rollover (on a timer: every array, even an empty one) and the
-    /// memory budget for all open documents together.
+    /// memory budget for all open documents together. The budget itself is
+    /// kept by the writers' pool (buffers grow within it and spill past
+    /// it); these cuts bound what is held, memory and spill together, so the
+    /// spill drains once the markers land.
     fn decide_timed_rollovers(&mut self, outbox: &mut Outbox) {
         let settings = &self.context.settings;
         let max_age = Duration::from_millis(settings.rollover_age_ms);

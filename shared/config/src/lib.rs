@@ -63,6 +63,9 @@ pub struct WorkerSettings {
     pub rollover_age_ms: u64,
     pub memory_budget_bytes: u64,
     pub parts_in_flight: usize,
+    pub parts_in_flight_total: usize,
+    pub spill_dir: String,
+    pub spill_max_bytes: u64,
     pub shutdown_grace_ms: u64,
     pub metrics_listen: String,
     pub statistics_interval_ms: u64,
@@ -70,6 +73,20 @@ pub struct WorkerSettings {
     pub wedged_after_ms: u64,
     pub restart_backoff_initial_ms: u64,
     pub restart_backoff_max_ms: u64,
+}
+
+impl WorkerSettings {
+    /// This replica's spill directory: `{spill_dir}/{replica_id}` (the
+    /// system temp dir's `quire-spill` when `spill_dir` is empty), so replicas
+    /// sharing a machine never clean each other's files.
+    pub fn replica_spill_dir(&self) -> std::path::PathBuf {
+        let base = if self.spill_dir.is_empty() {
+            std::env::temp_dir().join("quire-spill")
+        } else {
+            std::path::PathBuf::from(&self.spill_dir)
+        };
+        base.join(&self.replica_id)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

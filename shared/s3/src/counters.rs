@@ -15,6 +15,13 @@ pub struct WriterCounters {
     uploads_aborted: AtomicU64,
     documents_completed: AtomicU64,
     parts_in_flight: AtomicU64,
+    /// Gauges of the memory pools that share these counters (two's
+    /// complement deltas: a pool adds and subtracts).
+    memory_buffered: AtomicU64,
+    memory_in_flight: AtomicU64,
+    spilled: AtomicU64,
+    /// The budget of the pool reporting here; 0: none.
+    memory_budget: AtomicU64,
 }
 
 /// The counters at one moment.
@@ -34,6 +41,15 @@ pub struct CountersSnapshot {
     pub documents_completed: u64,
     /// Parts uploading right now.
     pub parts_in_flight: u64,
+    /// Capacity of the writers' buffers and spare part buffers, now.
+    pub memory_buffered_bytes: u64,
+    /// Bytes of parts (and single PutObjects) uploading now.
+    pub memory_in_flight_bytes: u64,
+    /// Bytes in spill files now.
+    pub spilled_bytes: u64,
+    /// How far buffered + in-flight memory is past the pool's budget (only
+    /// when the spill is full or failing).
+    pub memory_over_budget_bytes: u64,
 }
 
 impl WriterCounters {
@@ -46,6 +62,19 @@ impl WriterCounters {
             uploads_aborted: self.uploads_aborted.load(Ordering::Relaxed),
             documents_completed: self.documents_completed.load(Ordering::Relaxed),
             parts_in_flight: self.parts_in_flight.load(Ordering::Relaxed),
+            memory_buffered_bytes: self.memory_buffered.load(Ordering::Relaxed),
+            memory_in_flight_bytes: self.memory_in_flight.load(Ordering::Relaxed),
+            spilled_bytes: self.spilled.load(Ordering::Relaxed),
+            memory_over_budget_bytes: {
+                let budget = self.memory_budget.load(Ordering::Relaxed);
+                let held = self.memory_buffered.load(Ordering::Relaxed)
+                    + self.memory_in_flight.load(Ordering::Relaxed);
+                if budget == 0 {
+                    0
+                } else {
+                    held.saturating_sub(budget)
+                }
+            },
         }
     }
 
@@ -77,5 +106,24 @@ impl WriterCounters {
 
     pub(crate) fn part_ended(&self) {
         self.parts_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn memory_changed(&self, buffered_delta: i64, in_flight_delta: i64) {
+        if buffered_delta != 0 {
+            self.memory_buffered
+                .fetch_add(buffered_delta as u64, Ordering::Relaxed);
+        }
+        if in_flight_delta != 0 {
+            self.memory_in_flight
+                .fetch_add(in_flight_delta as u64, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn set_memory_budget(&self, budget: u64) {
+        self.memory_budget.store(budget, Ordering::Relaxed);
+    }
+
+    pub(crate) fn spill_changed(&self, delta: i64) {
+        self.spilled.fetch_add(delta as u64, Ordering::Relaxed);
     }
 }

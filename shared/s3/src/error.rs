@@ -54,6 +54,16 @@ pub enum WriterError {
     )]
     HashingInterrupted { bucket: String, key: String },
 
+    /// The bytes a document spilled to local disk could not be written or
+    /// read back. The document is abandoned like one whose upload failed;
+    /// the log still holds everything it was rendered from.
+    #[error("the spill file of s3://{bucket}/{key} failed: {detail}")]
+    Spill {
+        bucket: String,
+        key: String,
+        detail: String,
+    },
+
     /// The writer was used after it finished, was aborted, or failed (the
     /// failure itself was returned by the call that met it).
     #[error(

@@ -9,7 +9,11 @@
 //! - [`S3Bucket::writer`] opens a [`MultipartWriter`] for one key under an
 //!   [`UploadPolicy`] (part size from the declared maximum object size, parts
 //!   in flight, retries); appends of any size in, equal parts out, memory
-//!   bounded by part size x (in flight + 1), SHA-256 computed on the way;
+//!   held in buffers that grow with the document, SHA-256 computed on the way;
+//! - [`MemoryPool`] is the memory every writer of a bucket handle shares: one
+//!   budget for buffers and spare parts, a limit on parts in flight across
+//!   every writer, and a bounded spill directory for what the budget cannot
+//!   hold ([`S3Bucket::with_memory`]);
 //! - [`S3Bucket::abort_pending_uploads`] is the take-over sweep: the new owner
 //!   of a partition aborts the uploads a dead owner left pending;
 //! - [`WriterCounters`] counts bytes, parts, retries and aborts;
@@ -21,6 +25,7 @@ mod calls;
 mod client;
 mod counters;
 mod error;
+mod memory;
 mod policy;
 mod retention;
 mod sweep;
@@ -29,6 +34,7 @@ mod writer;
 pub use client::build_client;
 pub use counters::{CountersSnapshot, WriterCounters};
 pub use error::WriterError;
+pub use memory::{MemoryPolicy, MemoryPool, MemorySnapshot};
 pub use policy::{
     DEFAULT_MAX_IN_FLIGHT, MAXIMUM_OBJECT_SIZE, MAXIMUM_PART_COUNT, MINIMUM_PART_SIZE, RetryPolicy,
     UploadPolicy, part_size_for,

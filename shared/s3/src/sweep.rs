@@ -7,6 +7,7 @@ use aws_sdk_s3::Client;
 use crate::calls::{CallLabel, abort_upload, call_settings_without_retries, with_retries};
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
+use crate::memory::MemoryPool;
 use crate::policy::{RetryPolicy, UploadPolicy};
 use crate::writer::MultipartWriter;
 
@@ -16,6 +17,8 @@ pub struct S3Bucket {
     client: Client,
     name: String,
     counters: Arc<WriterCounters>,
+    /// The memory every writer of this handle (and its clones) shares.
+    memory: Arc<MemoryPool>,
 }
 
 /// A multipart upload that was started and neither completed nor aborted.
@@ -28,18 +31,35 @@ pub struct PendingUpload {
 impl S3Bucket {
     /// A handle on bucket `name`, with counters of its own.
     pub fn new(client: Client, name: impl Into<String>) -> Self {
+        let counters: Arc<WriterCounters> = Arc::default();
         S3Bucket {
             client,
             name: name.into(),
-            counters: Arc::default(),
+            memory: Arc::new(MemoryPool::unlimited(counters.clone())),
+            counters,
         }
     }
 
     /// Makes the writers and sweeps of this handle add to `counters` (one set
     /// per process, read by its metrics).
     pub fn with_counters(mut self, counters: Arc<WriterCounters>) -> Self {
+        // A new unlimited pool reports to the new counters; call
+        // `with_memory` afterwards for a budget.
+        self.memory = Arc::new(MemoryPool::unlimited(counters.clone()));
         self.counters = counters;
         self
+    }
+
+    /// Makes every writer of this handle share `memory`: its budget, its
+    /// limit on parts in flight and its spill directory. Build the pool with
+    /// this handle's counters, so its gauges reach them.
+    pub fn with_memory(mut self, memory: Arc<MemoryPool>) -> Self {
+        self.memory = memory;
+        self
+    }
+
+    pub fn memory(&self) -> &Arc<MemoryPool> {
+        &self.memory
     }
 
     pub fn client(&self) -> &Client {
@@ -67,6 +87,7 @@ impl S3Bucket {
             key.into(),
             policy,
             self.counters.clone(),
+            self.memory.clone(),
         )
     }
 

@@ -2,12 +2,17 @@
 //! uploaded in the background with a bounded number in flight.
 //!
 //! Life of a document:
-//! - appends fill a buffer of exactly one part; a full buffer is sent as the
-//!   next part only when more bytes arrive, so a document of at most one part
+//! - appends fill a buffer that grows with the document (doubling from
+//!   16 KiB up to one part) while the writer's [`MemoryPool`] has room; past
+//!   that, the buffer's bytes spill to a file of the pool's spill directory
+//!   and the buffer is reused. A full part (spilled bytes, then the buffer)
+//!   is sent only when more bytes arrive, so a document of at most one part
 //!   never starts a multipart upload and goes up as one PutObject;
 //! - the first part creates the multipart upload; each part uploads in a task
-//!   of its own, at most `max_in_flight` at once; the append that would start
-//!   one more waits for one to end (back-pressure);
+//!   of its own, at most `max_in_flight` at once for this writer and at most
+//!   the pool's `parts_in_flight` across every writer; the append that would
+//!   start one more waits for one to end (back-pressure); a spilled part is
+//!   read back into memory by its task, on the blocking pool;
 //! - each part is hashed into the document's SHA-256 on the blocking pool,
 //!   in part order, while it uploads;
 //! - `finish()` sends the last part, waits for every part and completes;
@@ -17,19 +22,20 @@
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use aws_sdk_s3::types::CompletedPart;
 use bytes::{Bytes, BytesMut};
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot;
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, oneshot};
 use tokio::task::{JoinError, JoinHandle, JoinSet};
 
 use crate::calls::UploadTarget;
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
+use crate::memory::{MemoryPool, SMALLEST_BUFFER, SpillFile};
 use crate::policy::UploadPolicy;
 
 /// What `finish()` stored.
@@ -53,8 +59,9 @@ pub struct WrittenObject {
 /// Writes one document to one key. Build it with [`crate::S3Bucket::writer`].
 ///
 /// Memory: the writer holds at most part size x (`max_in_flight` + 1) bytes
-/// (the buffer being filled and the parts in flight); see
-/// [`MultipartWriter::buffered_bytes`] and
+/// (the buffer being filled and the parts in flight), allocated as the
+/// document grows and counted in its [`MemoryPool`]; see
+/// [`MultipartWriter::held_bytes`], [`MultipartWriter::spilled_bytes`] and
 /// [`MultipartWriter::peak_buffered_bytes`].
 ///
 /// The [`tokio::io::AsyncWrite`] implementation writes through the same
@@ -66,10 +73,22 @@ pub struct MultipartWriter {
     part_size: usize,
     max_in_flight: usize,
     declared_maximum: u64,
-    /// The part being filled; empty with no capacity between two parts, so a
-    /// writer that was never written to holds no memory.
+    /// The end of the part being filled (its start is in `spill`, if any).
+    /// A writer that was never written to holds no memory; the buffer grows
+    /// with the document, within the pool's budget.
     buffer: BytesMut,
-    spare_buffers: Arc<SpareBuffers>,
+    /// The buffer's capacity, as counted in the pool.
+    buffer_counted: u64,
+    /// The most bytes the buffer may hold: the part size less the spilled
+    /// bytes of the current part.
+    buffer_limit: usize,
+    /// The start of the current part, when the pool had no memory for it.
+    spill: Option<SpillFile>,
+    pool: Arc<MemoryPool>,
+    /// The wait for a permit of the pool's limit on parts in flight.
+    permit_wait: Option<PermitWait>,
+    /// Whether this writer already said it went past the budget.
+    warned_over_budget: bool,
     document_hash: HashChain,
     bytes_accepted: u64,
     parts_sent: u32,
@@ -85,6 +104,17 @@ pub struct MultipartWriter {
     in_flight_bytes_when_buffer_started: u64,
     peak_buffered_bytes: u64,
     phase: Phase,
+}
+
+type PermitWait =
+    Pin<Box<dyn Future<Output = Result<OwnedSemaphorePermit, AcquireError>> + Send>>;
+
+/// Where an append's bytes can go now.
+enum Room {
+    /// Into the buffer (it has room for at least one byte of them).
+    Buffer,
+    /// This many were written straight to the spill file.
+    Spilled(usize),
 }
 
 struct OpenUpload {
@@ -112,6 +142,7 @@ impl MultipartWriter {
         key: String,
         policy: &UploadPolicy,
         counters: Arc<WriterCounters>,
+        pool: Arc<MemoryPool>,
     ) -> Result<Self, WriterError> {
         policy.validate()?;
         let part_size =
@@ -136,7 +167,12 @@ impl MultipartWriter {
             max_in_flight: policy.max_in_flight,
             declared_maximum: policy.max_object_size,
             buffer: BytesMut::new(),
-            spare_buffers: Arc::new(SpareBuffers::new(part_size, policy.max_in_flight + 1)),
+            buffer_counted: 0,
+            buffer_limit: part_size,
+            spill: None,
+            pool,
+            permit_wait: None,
+            warned_over_budget: false,
             document_hash: HashChain::new(),
             bytes_accepted: 0,
             parts_sent: 0,
@@ -167,6 +203,22 @@ impl MultipartWriter {
     /// flight.
     pub fn buffered_bytes(&self) -> u64 {
         self.buffer.len() as u64 + self.in_flight_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Memory the writer holds now: its buffer's capacity plus the parts in
+    /// flight. What the pool's budget counts.
+    pub fn held_bytes(&self) -> u64 {
+        self.buffer_counted + self.in_flight_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the current part waiting in a spill file.
+    pub fn spilled_bytes(&self) -> u64 {
+        self.spill.as_ref().map_or(0, |spill| spill.len)
+    }
+
+    /// Bytes accepted and not sent yet: the current part so far.
+    fn unsent(&self) -> usize {
+        self.part_size - self.buffer_limit + self.buffer.len()
     }
 
     /// The most bytes the writer has held at once. Checked at every part
@@ -203,7 +255,7 @@ impl MultipartWriter {
     /// copy: no polling machinery, no atomics.
     #[inline]
     fn append_within_buffer(&mut self, data: &[u8]) -> bool {
-        let room = self.buffer.capacity().min(self.part_size) - self.buffer.len();
+        let room = self.buffer.capacity().min(self.buffer_limit) - self.buffer.len();
         let fits = data.len() <= room
             && data.len() as u64 <= self.declared_maximum - self.bytes_accepted
             && matches!(self.phase, Phase::Open);
@@ -325,20 +377,159 @@ impl MultipartWriter {
             return Poll::Ready(Ok(0));
         }
         self.refuse_past_declared_maximum(data.len())?;
-        if self.buffer.len() == self.part_size
+        if self.unsent() == self.part_size
             && let Err(cause) = ready!(self.poll_send_buffer(context))
         {
             self.begin_abort_after_failure(cause);
             return self.poll_open(context).map_ok(|()| 0);
         }
-        if self.buffer.capacity() == 0 {
-            self.buffer = self.spare_buffers.take();
-        }
-        debug_assert!(self.buffer.capacity() >= self.part_size);
-        let accepted = (self.part_size - self.buffer.len()).min(data.len());
-        self.buffer.extend_from_slice(&data[..accepted]);
+        let wanted = (self.part_size - self.unsent()).min(data.len());
+        let accepted = match self.make_room(&data[..wanted]) {
+            Ok(Room::Buffer) => {
+                let room = self.buffer.capacity().min(self.buffer_limit) - self.buffer.len();
+                let accepted = room.min(wanted);
+                debug_assert!(accepted > 0);
+                self.buffer.extend_from_slice(&data[..accepted]);
+                accepted
+            }
+            Ok(Room::Spilled(written)) => written,
+            Err(cause) => {
+                self.begin_abort_after_failure(cause);
+                return self.poll_open(context).map_ok(|()| 0);
+            }
+        };
         self.bytes_accepted += accepted as u64;
         Poll::Ready(Ok(accepted))
+    }
+
+    /// Makes room for (a prefix of) `data`, which fits in the current part:
+    /// a spare part buffer for a fresh part, else a larger buffer if the pool
+    /// has the memory, else the buffer's bytes (and, if the buffer is too
+    /// small for them, `data`) go to the spill file; with no spill room
+    /// either, the buffer grows past the budget (counted as over budget)
+    /// rather than lose data or stop.
+    fn make_room(&mut self, data: &[u8]) -> Result<Room, WriterError> {
+        let needed = self.buffer.len() + data.len();
+        if needed <= self.buffer.capacity() {
+            return Ok(Room::Buffer);
+        }
+        if self.buffer.is_empty()
+            && self.spill.is_none()
+            && self.parts_sent > 0
+            && let Some(spare) = self.pool.take_spare()
+        {
+            // A document past its first part will fill this one too.
+            self.pool.release_buffer(self.buffer_counted);
+            self.buffer_counted = spare.capacity() as u64;
+            self.buffer = spare;
+            return Ok(Room::Buffer);
+        }
+        let doubled = (self.buffer.capacity() * 2).max(SMALLEST_BUFFER);
+        let target = doubled.max(needed).min(self.buffer_limit);
+        if self.grow_buffer(target, false) || (target > needed && self.grow_buffer(needed, false))
+        {
+            return Ok(Room::Buffer);
+        }
+        match self.spill_buffer(data) {
+            Ok(Some(room)) => return Ok(room),
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(key = %self.target.key, %error, "spilling failed: holding the document in memory");
+            }
+        }
+        if !self.warned_over_budget {
+            self.warned_over_budget = true;
+            tracing::warn!(
+                key = %self.target.key,
+                spilled_bytes = self.pool.snapshot().spilled_bytes,
+                "memory budget reached and the spill is full: holding the document in memory past the budget"
+            );
+        }
+        // Doubling still, so that appends past the budget stay linear.
+        self.grow_buffer(target, true);
+        Ok(Room::Buffer)
+    }
+
+    /// Replaces the buffer by one of `capacity` bytes (its bytes copied), if
+    /// the pool has the memory or `force` is set.
+    fn grow_buffer(&mut self, capacity: usize, force: bool) -> bool {
+        let delta = capacity.saturating_sub(self.buffer.capacity()) as u64;
+        if delta == 0 {
+            return true;
+        }
+        if force {
+            self.pool.force_reserve_buffer(delta);
+        } else if !self.pool.try_reserve_buffer(delta) {
+            return false;
+        }
+        let mut grown = BytesMut::with_capacity(capacity);
+        grown.extend_from_slice(&self.buffer);
+        let old_capacity = self.buffer_counted;
+        self.buffer = grown;
+        // What was reserved is the growth; the allocator may give more.
+        let actual = self.buffer.capacity() as u64;
+        let counted = old_capacity + delta;
+        if actual > counted {
+            self.pool.force_reserve_buffer(actual - counted);
+        }
+        self.buffer_counted = actual.max(counted);
+        true
+    }
+
+    /// Moves the buffer's bytes to the spill file (keeping the buffer for the
+    /// next bytes), or, when the buffer cannot hold `data` even empty, writes
+    /// `data` there too. `None` when the pool has no spill room.
+    fn spill_buffer(&mut self, data: &[u8]) -> Result<Option<Room>, WriterError> {
+        let through = self.buffer.capacity().min(self.part_size) < data.len();
+        let bytes = self.buffer.len() + if through { data.len() } else { 0 };
+        if !self.pool.try_reserve_spill(bytes as u64) {
+            return Ok(None);
+        }
+        if self.spill.is_none() {
+            match SpillFile::create(&self.pool) {
+                Ok(file) => self.spill = Some(file),
+                Err(error) => {
+                    self.pool.release_spill(bytes as u64);
+                    return Err(self.spill_error("cannot create a spill file", &error));
+                }
+            }
+        }
+        let spill = self.spill.as_mut().expect("created above");
+        let buffered = self.buffer.len() as u64;
+        if let Err(error) = spill.append(&self.buffer) {
+            self.pool.release_spill(bytes as u64 - buffered);
+            return Err(self.spill_error("cannot write", &error));
+        }
+        self.buffer.clear();
+        if through && let Err(error) = spill.append(data) {
+            self.buffer_limit = self.part_size - spill.len as usize;
+            return Err(self.spill_error("cannot write", &error));
+        }
+        self.buffer_limit = self.part_size - spill.len as usize;
+        Ok(Some(if through {
+            Room::Spilled(data.len())
+        } else {
+            Room::Buffer
+        }))
+    }
+
+    fn spill_error(&self, what: &str, error: &std::io::Error) -> WriterError {
+        WriterError::Spill {
+            bucket: self.target.bucket.clone(),
+            key: self.target.key.clone(),
+            detail: format!("{what}: {error}"),
+        }
+    }
+
+    /// A permit of the pool's limit on parts in flight, once one is free.
+    fn poll_part_permit(&mut self, context: &mut Context<'_>) -> Poll<OwnedSemaphorePermit> {
+        let parts = &self.pool.parts;
+        let wait = self
+            .permit_wait
+            .get_or_insert_with(|| Box::pin(parts.clone().acquire_owned()));
+        let permit = ready!(wait.as_mut().poll(context));
+        self.permit_wait = None;
+        Poll::Ready(permit.expect("the pool's semaphore is never closed"))
     }
 
     /// Sends the buffer as the next part: creates the multipart upload first
@@ -375,34 +566,69 @@ impl MultipartWriter {
             };
             record_ended_part(upload, ended, &self.target)?;
         }
-        self.send_buffer_as_part();
+        let permit = ready!(self.poll_part_permit(context));
+        self.send_buffer_as_part(permit)?;
         Poll::Ready(Ok(()))
     }
 
-    /// Freezes the buffer into the next part (no copy) and starts its upload
-    /// and its hashing in the background.
-    fn send_buffer_as_part(&mut self) {
+    /// The current part, taken out of the writer: the buffer itself (no
+    /// copy), or the spill file with the buffer's bytes appended to it. The
+    /// memory it holds is counted as in flight from here on, under `permit`.
+    fn take_part(
+        &mut self,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<(PartBody, InFlightMemory), WriterError> {
         self.note_peak_buffered_bytes();
-        let part = std::mem::take(&mut self.buffer).freeze();
-        let hashing = self.document_hash.link(part.clone());
+        let Some(mut spill) = self.spill.take() else {
+            let counted = self.buffer_counted;
+            self.pool.buffer_to_in_flight(counted);
+            self.buffer_counted = 0;
+            let part = std::mem::take(&mut self.buffer).freeze();
+            let memory = InFlightMemory::counted(self.pool.clone(), counted, permit);
+            return Ok((PartBody::Memory(part), memory));
+        };
+        // The buffer's bytes join the file, whatever the spill's limit: they
+        // leave it again as soon as the part is read back.
+        self.pool.force_reserve_spill(self.buffer.len() as u64);
+        if let Err(error) = spill.append(&self.buffer) {
+            return Err(self.spill_error("cannot write", &error));
+        }
+        self.buffer.clear();
+        self.buffer_limit = self.part_size;
+        // Reading it back needs a part's memory, from the in-flight reserve.
+        let bytes = spill.len;
+        self.pool.add_in_flight(bytes);
+        let memory = InFlightMemory::counted(self.pool.clone(), bytes, permit);
+        Ok((PartBody::Spilled(spill), memory))
+    }
+
+    /// Takes the current part out of the writer and starts its upload and its
+    /// hashing in the background.
+    fn send_buffer_as_part(&mut self, permit: OwnedSemaphorePermit) -> Result<(), WriterError> {
+        let (body, memory) = self.take_part(permit)?;
+        let part_length = self.unsent_of(&body);
+        let hashing = self.document_hash.link();
         // The first part's SHA-256 is the document hash so far: handing it to
         // SigV4 spares a second pass over those bytes.
         let reuse_hash_for_signing = self.parts_sent == 0 && self.target.signs_payload();
         self.parts_sent += 1;
         let part_number = self.parts_sent as i32;
         let in_flight = InFlightPart::start(
-            part.len() as u64,
+            part_length,
             self.in_flight_bytes.clone(),
             self.target.counters.clone(),
+            memory,
         );
         let target = self.target.clone();
-        let spare_buffers = self.spare_buffers.clone();
+        let pool = self.pool.clone();
         let upload = self.upload.as_mut().expect("parts are sent into an upload");
         let upload_id = upload.upload_id.clone();
         upload.in_flight.spawn(async move {
             // The part counts as in flight until it is both stored and hashed,
             // so the accounting covers every reference to its buffer.
             let _in_flight = in_flight;
+            let part = body.load(&target).await?;
+            let hashing = hashing.hash(part.clone());
             let uploaded = if reuse_hash_for_signing {
                 let payload_sha256 = hashing.await;
                 target
@@ -416,11 +642,19 @@ impl MultipartWriter {
                 uploaded
             };
             if uploaded.is_ok() {
-                spare_buffers.give_back(part);
+                pool.give_back(part);
             }
             uploaded
         });
         self.in_flight_bytes_when_buffer_started = self.in_flight_bytes.load(Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn unsent_of(&self, body: &PartBody) -> u64 {
+        match body {
+            PartBody::Memory(part) => part.len() as u64,
+            PartBody::Spilled(spill) => spill.len,
+        }
     }
 
     fn note_peak_buffered_bytes(&mut self) {
@@ -445,9 +679,10 @@ impl MultipartWriter {
     async fn complete(&mut self) -> Result<WrittenObject, WriterError> {
         if self.upload.is_none() && self.creation.is_none() {
             // At most one part: one PutObject, no multipart upload.
-            self.note_peak_buffered_bytes();
-            let document = std::mem::take(&mut self.buffer).freeze();
-            let hashing = self.document_hash.link(document.clone());
+            let permit = poll_fn(|context| self.poll_part_permit(context)).await;
+            let (body, _memory) = self.take_part(permit)?;
+            let document = body.load(&self.target).await?;
+            let hashing = self.document_hash.link().hash(document.clone());
             let stored = if self.target.signs_payload() {
                 // The document's SHA-256 is its payload hash: hashed once.
                 let payload_sha256 = hashing.await;
@@ -459,7 +694,7 @@ impl MultipartWriter {
             let e_tag = stored?;
             return self.written(1, true, e_tag).await;
         }
-        if !self.buffer.is_empty() {
+        if self.unsent() > 0 {
             poll_fn(|context| self.poll_send_buffer(context)).await?;
         }
         let upload = self.upload.as_mut().expect("a multipart upload is open");
@@ -516,6 +751,10 @@ impl Drop for MultipartWriter {
     /// A writer dropped without `finish()` or `abort()` aborts its upload in
     /// the background, so no orphaned parts stay stored.
     fn drop(&mut self) {
+        // The buffer's memory leaves the pool's count with the writer (a
+        // spill file removes itself).
+        self.pool.release_buffer(self.buffer_counted);
+        self.buffer_counted = 0;
         if !matches!(self.phase, Phase::Open) {
             return;
         }
@@ -648,22 +887,87 @@ async fn abort_upload_logging_failure(
     }
 }
 
+/// What an upload sends: a part (or a whole small document) in memory, or
+/// spilled to a file and read back by the upload's task.
+enum PartBody {
+    Memory(Bytes),
+    Spilled(SpillFile),
+}
+
+impl PartBody {
+    /// The bytes, in memory. A spill file is read on the blocking pool and
+    /// deleted once read.
+    async fn load(self, target: &UploadTarget) -> Result<Bytes, WriterError> {
+        let mut spill = match self {
+            PartBody::Memory(bytes) => return Ok(bytes),
+            PartBody::Spilled(spill) => spill,
+        };
+        let read = tokio::task::spawn_blocking(move || {
+            let mut part = BytesMut::with_capacity(spill.len as usize);
+            spill.read_into(&mut part).map(|()| part)
+        })
+        .await;
+        let failed = |detail: String| WriterError::Spill {
+            bucket: target.bucket.clone(),
+            key: target.key.clone(),
+            detail,
+        };
+        match read {
+            Ok(Ok(part)) => Ok(part.freeze()),
+            Ok(Err(error)) => Err(failed(format!("cannot read back: {error}"))),
+            Err(error) => Err(failed(format!("reading back ended without a result: {error}"))),
+        }
+    }
+}
+
+/// Bytes counted as in flight in the pool, and the permit of the pool's
+/// limit on parts in flight, for as long as an upload holds them.
+struct InFlightMemory {
+    pool: Arc<MemoryPool>,
+    bytes: u64,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl InFlightMemory {
+    /// Takes over `bytes` the caller already counted as in flight.
+    fn counted(pool: Arc<MemoryPool>, bytes: u64, permit: OwnedSemaphorePermit) -> Self {
+        InFlightMemory {
+            pool,
+            bytes,
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for InFlightMemory {
+    fn drop(&mut self) {
+        self.pool.release_in_flight(self.bytes);
+    }
+}
+
 /// Holds a part's bytes in the writer's accounting (and the in-flight gauge)
 /// for as long as its task runs, however the task ends.
 struct InFlightPart {
     bytes: u64,
     in_flight_bytes: Arc<AtomicU64>,
     counters: Arc<WriterCounters>,
+    _memory: InFlightMemory,
 }
 
 impl InFlightPart {
-    fn start(bytes: u64, in_flight_bytes: Arc<AtomicU64>, counters: Arc<WriterCounters>) -> Self {
+    fn start(
+        bytes: u64,
+        in_flight_bytes: Arc<AtomicU64>,
+        counters: Arc<WriterCounters>,
+        memory: InFlightMemory,
+    ) -> Self {
         in_flight_bytes.fetch_add(bytes, Ordering::Relaxed);
         counters.part_started();
         InFlightPart {
             bytes,
             in_flight_bytes,
             counters,
+            _memory: memory,
         }
     }
 }
@@ -697,27 +1001,19 @@ impl HashChain {
         }
     }
 
-    /// The work of hashing `part` after every part linked before it. The
-    /// first link also yields the SHA-256 of its part alone (lowercase hex),
-    /// which is the document hash so far; later links yield `None`. If a link
+    /// The next place in the chain, taken in part order; its part's bytes
+    /// come later ([`HashLink::hash`]), once they are in memory. If a link
     /// is dropped unfinished (its part failed or was cancelled), the chain
     /// stays broken and [`HashChain::finish`] says so.
-    fn link(&mut self, part: Bytes) -> impl Future<Output = Option<String>> + Send + 'static {
+    fn link(&mut self) -> HashLink {
         let (sender, receiver) = oneshot::channel();
         let previous = std::mem::replace(&mut self.end, receiver);
         let first_link = self.links == 0;
         self.links += 1;
-        async move {
-            let mut hasher = previous.await.ok()?;
-            let (hasher, part_sha256) = tokio::task::spawn_blocking(move || {
-                hasher.update(&part);
-                let part_sha256 = first_link.then(|| lowercase_hex(&hasher.clone().finalize()));
-                (hasher, part_sha256)
-            })
-            .await
-            .ok()?;
-            let _ = sender.send(hasher);
-            part_sha256
+        HashLink {
+            previous,
+            sender,
+            first_link,
         }
     }
 
@@ -729,47 +1025,34 @@ impl HashChain {
     }
 }
 
-/// Buffers of uploaded parts, kept for the next parts: a fresh 8 MiB
-/// allocation costs 2,048 page faults as it fills, a reused one none. Holds
-/// at most `limit` buffers, and since one is only allocated when none is
-/// spare, the writer never has more than `max_in_flight + 1` of them.
-struct SpareBuffers {
-    part_size: usize,
-    limit: usize,
-    buffers: Mutex<Vec<BytesMut>>,
+/// One part's place in a [`HashChain`].
+struct HashLink {
+    previous: oneshot::Receiver<Sha256>,
+    sender: oneshot::Sender<Sha256>,
+    first_link: bool,
 }
 
-impl SpareBuffers {
-    fn new(part_size: usize, limit: usize) -> Self {
-        SpareBuffers {
-            part_size,
-            limit,
-            buffers: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn take(&self) -> BytesMut {
-        let spare = self
-            .buffers
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        spare.unwrap_or_else(|| BytesMut::with_capacity(self.part_size))
-    }
-
-    /// Keeps the part's memory if nothing else refers to it any more (the
-    /// SDK has dropped its request body by the time the call returns).
-    fn give_back(&self, part: Bytes) {
-        let Ok(mut buffer) = part.try_into_mut() else {
-            return;
-        };
-        if buffer.capacity() < self.part_size {
-            return;
-        }
-        buffer.clear();
-        let mut buffers = self.buffers.lock().unwrap_or_else(PoisonError::into_inner);
-        if buffers.len() < self.limit {
-            buffers.push(buffer);
+impl HashLink {
+    /// The work of hashing `part` after every part linked before it. The
+    /// first link also yields the SHA-256 of its part alone (lowercase hex),
+    /// which is the document hash so far; later links yield `None`.
+    fn hash(self, part: Bytes) -> impl Future<Output = Option<String>> + Send + 'static {
+        let HashLink {
+            previous,
+            sender,
+            first_link,
+        } = self;
+        async move {
+            let mut hasher = previous.await.ok()?;
+            let (hasher, part_sha256) = tokio::task::spawn_blocking(move || {
+                hasher.update(&part);
+                let part_sha256 = first_link.then(|| lowercase_hex(&hasher.clone().finalize()));
+                (hasher, part_sha256)
+            })
+            .await
+            .ok()?;
+            let _ = sender.send(hasher);
+            part_sha256
         }
     }
 }
