@@ -20,6 +20,9 @@ use serde_json::value::RawValue;
 
 use crate::metrics::Metrics;
 
+/// The longest a producer goes without releasing its partitions.
+const RELEASE_EVERY: Duration = Duration::from_secs(10);
+
 /// Pause between two attempts to recreate an unusable producer.
 const RECREATE_PAUSE: Duration = Duration::from_secs(1);
 
@@ -230,10 +233,25 @@ impl Publisher {
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_release = std::time::Instant::now();
             loop {
                 ticks.tick().await;
                 if !kafka_available() {
                     continue;
+                }
+                // Also every RELEASE_EVERY whatever was seen: a disconnection
+                // librdkafka did not report, or a release that committed
+                // before the coordinator skipped a marker, is ended then.
+                let periodic = last_release.elapsed() >= RELEASE_EVERY;
+                if periodic {
+                    last_release = std::time::Instant::now();
+                    for slot in slots.iter() {
+                        slot.current
+                            .read()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .producer
+                            .request_release();
+                    }
                 }
                 for slot in slots.iter() {
                     let connected = slot
