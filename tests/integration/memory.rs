@@ -43,7 +43,14 @@ fn peak_rss(pid: u32) -> Option<u64> {
     status
         .lines()
         .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .and_then(|value| {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
         .map(|kib| kib * 1024)
 }
 
@@ -269,7 +276,10 @@ async fn a_backlog_far_larger_than_the_memory_budget_is_reported_within_it() {
     let expected: Vec<u64> = (0..RECORDS_PER_STREAM).collect();
     for (stream, mut sequence) in reported {
         sequence.sort_unstable();
-        assert_eq!(sequence, expected, "{stream}: a record is missing or doubled");
+        assert_eq!(
+            sequence, expected,
+            "{stream}: a record is missing or doubled"
+        );
     }
     assert!(
         stack.bucket.pending_uploads("").await.is_empty(),
@@ -301,7 +311,10 @@ async fn a_backlog_far_larger_than_the_memory_budget_is_reported_within_it() {
         counted.over_budget / MIB,
         BUDGET / MIB
     );
-    assert!(counted.spilled > 0, "the backlog was meant to need the spill");
+    assert!(
+        counted.spilled > 0,
+        "the backlog was meant to need the spill"
+    );
     assert!(
         peak <= BUDGET + OVERHEAD,
         "peak RSS {} MiB is past the budget of {} MiB plus the overhead of {} MiB",

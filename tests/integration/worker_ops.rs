@@ -73,9 +73,7 @@ async fn the_worker_reports_records_reports_and_lag_and_answers_health_checks() 
     // says which it is, no log to scrape.
     let mut settings = stack.worker_settings("ops-1");
     settings.worker.statistics_interval_ms = 300;
-    let worker = stack
-        .start_worker_in_process(settings, Mode::Serve)
-        .await;
+    let worker = stack.start_worker_in_process(settings, Mode::Serve).await;
     let base = worker.base_url();
     let http = reqwest::Client::new();
 

@@ -499,7 +499,10 @@ async fn documents_past_the_memory_budget_spill_to_disk_and_read_back_identical(
     let hog_content = document(PART_SIZE - 5);
     let mut hog = handle.writer("reports/s/hog.xml", &small_policy()).unwrap();
     hog.append(&hog_content).await.unwrap();
-    assert!(hog.spilled_bytes() == 0, "the first writer fits in the budget");
+    assert!(
+        hog.spilled_bytes() == 0,
+        "the first writer fits in the budget"
+    );
 
     // Past the budget: a small document and one of several parts, in odd
     // slices, all through the spill.
@@ -541,7 +544,9 @@ async fn an_aborted_spilled_document_leaves_no_spill_file() {
     let handle = plain.with_memory(pool.clone());
     let mut hog = handle.writer("reports/s/hog.xml", &small_policy()).unwrap();
     hog.append(&document(PART_SIZE)).await.unwrap();
-    let mut writer = handle.writer("reports/s/aborted.xml", &small_policy()).unwrap();
+    let mut writer = handle
+        .writer("reports/s/aborted.xml", &small_policy())
+        .unwrap();
     writer.append(&document(MIB)).await.unwrap();
     assert_eq!(writer.spilled_bytes(), MIB as u64);
     assert_eq!(std::fs::read_dir(&spill_dir).unwrap().count(), 1);

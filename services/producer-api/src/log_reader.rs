@@ -237,8 +237,7 @@ struct Lookup {
 
 impl Lookup {
     fn run(&self, watermarks: &BaseConsumer, reader: &BaseConsumer) -> Result<CutLookup, LogError> {
-        let (low, high) =
-            self.fetch_watermarks(watermarks, Instant::now() + self.stable_wait)?;
+        let (low, high) = self.fetch_watermarks(watermarks, Instant::now() + self.stable_wait)?;
         if self.offset >= high {
             return Ok(CutLookup::NotIssued(
                 ": nothing was written at that offset of its partition",
@@ -268,7 +267,8 @@ impl Lookup {
             match client.fetch_watermarks(
                 &self.topic,
                 self.partition,
-                self.call_timeout.min(remaining.max(Duration::from_millis(100))),
+                self.call_timeout
+                    .min(remaining.max(Duration::from_millis(100))),
             ) {
                 Ok(watermarks) => return Ok(watermarks),
                 Err(source) if quire_queue::is_transient(&source) && !remaining.is_zero() => {

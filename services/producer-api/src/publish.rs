@@ -218,10 +218,12 @@ impl Publisher {
     /// read_committed reader of that partition then stops at the array the
     /// API answered 200 for. Every `interval`, while `kafka_available()`,
     /// each usable producer that connected since, or saw the brokers gone
-    /// since, its last release commits `release` (one message to each
-    /// partition it may write) through its group commit: the COMMIT marker
-    /// it puts on each partition ends whatever that producer left open
-    /// there. A failed release is tried again at the next tick.
+    /// since, its last release (and every producer at least every
+    /// [`RELEASE_EVERY`]) commits `release` (one message to each partition
+    /// it may write) through its group commit: the COMMIT marker it puts on
+    /// each partition ends whatever that producer left open there, in most
+    /// cases (not yet all: issue 10). A failed release is tried again at the
+    /// next tick.
     pub fn spawn_releaser(
         &self,
         release: Vec<OutMessage>,

@@ -69,7 +69,9 @@ pub enum Appended {
     Unrenderable(RenderError),
     /// Its rendering (`rendered` bytes) would take the document past the
     /// limit: it belongs in the next document.
-    TooLarge { rendered: usize },
+    TooLarge {
+        rendered: usize,
+    },
 }
 
 /// What rendered bytes go through on their way to the writer.

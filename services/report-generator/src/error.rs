@@ -208,9 +208,9 @@ mod tests {
                 attempted_size: 11,
             }),
             // A dead letter or an event the broker refuses as too large.
-            WorkerError::Queue(QueueError::TransactionAborted(KafkaError::MessageProduction(
-                RDKafkaErrorCode::MessageSizeTooLarge,
-            ))),
+            WorkerError::Queue(QueueError::TransactionAborted(
+                KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge),
+            )),
             WorkerError::S3("gzip compression of k failed: out of memory".into()),
         ];
         for error in data_driven {

@@ -873,7 +873,16 @@ async fn complete_inline(
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
     let cut_time_ms = document.last_record_time_ms;
-    complete_document(context, state, document, last_offset, cut_time_ms, trigger, outbox).await
+    complete_document(
+        context,
+        state,
+        document,
+        last_offset,
+        cut_time_ms,
+        trigger,
+        outbox,
+    )
+    .await
 }
 
 /// Completes `document` as the report ending at `last_offset` (its marker,

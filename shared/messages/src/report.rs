@@ -166,7 +166,10 @@ mod tests {
         let body = "é".repeat(DeadLetter::PAYLOAD_LIMIT).into_bytes();
         let large = DeadLetter::new("s".into(), 1, 2, "bad".into(), &body);
         assert!(large.payload.len() <= DeadLetter::PAYLOAD_LIMIT);
-        assert!(large.payload.chars().all(|c| c == 'é'), "no broken character");
+        assert!(
+            large.payload.chars().all(|c| c == 'é'),
+            "no broken character"
+        );
         assert_eq!(large.payload_truncated_from, Some(body.len() as u64));
         // Quotes double under JSON escaping: still far below a megabyte.
         let quotes = vec![b'"'; 900_000];

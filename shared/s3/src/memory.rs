@@ -317,7 +317,11 @@ impl MemoryPool {
 
 impl Drop for MemoryPool {
     fn drop(&mut self) {
-        let spares = std::mem::take(self.spares.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let spares = std::mem::take(
+            self.spares
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         for spare in spares {
             self.release_buffer(spare.capacity() as u64);
         }
@@ -489,7 +493,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("stale.spill"), b"old").unwrap();
         let pool = pool(4096, Some(dir.clone()));
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "stale files removed");
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "stale files removed"
+        );
 
         let mut file = SpillFile::create(&pool).unwrap();
         assert!(pool.try_reserve_spill(3000));

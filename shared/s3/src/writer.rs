@@ -21,8 +21,8 @@
 
 use std::future::poll_fn;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -106,8 +106,7 @@ pub struct MultipartWriter {
     phase: Phase,
 }
 
-type PermitWait =
-    Pin<Box<dyn Future<Output = Result<OwnedSemaphorePermit, AcquireError>> + Send>>;
+type PermitWait = Pin<Box<dyn Future<Output = Result<OwnedSemaphorePermit, AcquireError>> + Send>>;
 
 /// Where an append's bytes can go now.
 enum Room {
@@ -426,8 +425,7 @@ impl MultipartWriter {
         }
         let doubled = (self.buffer.capacity() * 2).max(SMALLEST_BUFFER);
         let target = doubled.max(needed).min(self.buffer_limit);
-        if self.grow_buffer(target, false) || (target > needed && self.grow_buffer(needed, false))
-        {
+        if self.grow_buffer(target, false) || (target > needed && self.grow_buffer(needed, false)) {
             return Ok(Room::Buffer);
         }
         match self.spill_buffer(data) {
@@ -915,7 +913,9 @@ impl PartBody {
         match read {
             Ok(Ok(part)) => Ok(part.freeze()),
             Ok(Err(error)) => Err(failed(format!("cannot read back: {error}"))),
-            Err(error) => Err(failed(format!("reading back ended without a result: {error}"))),
+            Err(error) => Err(failed(format!(
+                "reading back ended without a result: {error}"
+            ))),
         }
     }
 }
