@@ -13,15 +13,16 @@ use std::time::Duration;
 use quire_config::{ApiSettings, KafkaSettings};
 use quire_messages::{CURRENT_VERSION, HEADER_KIND, HEADER_VERSION, MessageKind, StreamName};
 use quire_queue::{
-    ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, QueueError, TransactionObserver,
-    TransactionalProducer,
+    ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, ProducerOptions, QueueError, Release,
+    TransactionObserver, TransactionalProducer,
 };
 use serde_json::value::RawValue;
 
 use crate::metrics::Metrics;
 
-/// The longest a producer goes without releasing its partitions.
-const RELEASE_EVERY: Duration = Duration::from_secs(10);
+/// The longest a producer goes without releasing its partitions (a
+/// disconnection librdkafka did not report).
+const RELEASE_EVERY: Duration = Duration::from_secs(30);
 
 /// Pause between two attempts to recreate an unusable producer.
 const RECREATE_PAUSE: Duration = Duration::from_secs(1);
@@ -44,6 +45,7 @@ struct Slot {
 struct Factory {
     kafka: KafkaSettings,
     send_timeout: Duration,
+    release: Release,
     limits: GroupCommitLimits,
     observer: TransactionObserver,
     metrics: Arc<Metrics>,
@@ -72,10 +74,13 @@ pub fn transactional_ids(api: &ApiSettings) -> Vec<String> {
 
 impl Factory {
     async fn connect(&self, transactional_id: &str) -> Result<Connected, QueueError> {
-        let producer = TransactionalProducer::connect_with_send_timeout(
+        let producer = TransactionalProducer::connect_with(
             &self.kafka,
             transactional_id,
-            self.send_timeout,
+            ProducerOptions {
+                send_timeout: Some(self.send_timeout),
+                release: Some(self.release.clone()),
+            },
         )
         .await?;
         let enqueuer = ArrayEnqueuer::start_observed(
@@ -89,11 +94,15 @@ impl Factory {
 
 impl Publisher {
     /// Connects the producers (initialising their transactions fences any
-    /// older instance with the same ids) and starts their group commit.
+    /// older instance with the same ids), has each commit `release` (one
+    /// message to each records partition, see [`Release`]), and starts their
+    /// group commit. A producer commits `release` again before its next
+    /// array whenever librdkafka saw the brokers gone.
     pub async fn connect(
         kafka: &KafkaSettings,
         api: &ApiSettings,
         metrics: Arc<Metrics>,
+        release_messages: Vec<OutMessage>,
     ) -> Result<Self, QueueError> {
         let limits = GroupCommitLimits {
             // A request's array always goes whole; let a group hold several.
@@ -106,9 +115,15 @@ impl Publisher {
             ..GroupCommitLimits::default()
         };
         let observed = Arc::clone(&metrics);
+        let released = Arc::clone(&metrics);
         let factory = Arc::new(Factory {
             kafka: kafka.clone(),
             send_timeout: Duration::from_millis(api.publish_timeout_ms.max(1)),
+            release: Release {
+                messages: release_messages,
+                patience: Release::patience_for(kafka),
+                on_release: Some(Arc::new(move || released.partitions_released())),
+            },
             limits,
             observer: Arc::new(move |report| {
                 observed.transaction_ended(report.outcome, report.elapsed);
@@ -211,27 +226,18 @@ impl Publisher {
         });
     }
 
-    /// Starts the task that releases what the producers' own earlier
-    /// transactions may have left open: a broker killed right after a commit
-    /// can come back with its coordinator having skipped a partition's COMMIT
-    /// marker while marking the transaction complete, and every
-    /// read_committed reader of that partition then stops at the array the
-    /// API answered 200 for. Every `interval`, while `kafka_available()`,
-    /// each usable producer that connected since, or saw the brokers gone
-    /// since, its last release (and every producer at least every
-    /// [`RELEASE_EVERY`]) commits `release` (one message to each partition
-    /// it may write) through its group commit: the COMMIT marker it puts on
-    /// each partition ends whatever that producer left open there, in most
-    /// cases (not yet all: issue 10). A failed release is tried again at the
-    /// next tick.
+    /// Starts the task that commits the releases that are due on producers
+    /// no request uses (see [`Release`]; a producer with traffic releases
+    /// before its next array anyway): every `interval`, while
+    /// `kafka_available()`, each usable producer whose release is due (the
+    /// brokers were gone, or [`RELEASE_EVERY`] has passed) commits it. A
+    /// failed release stays due.
     pub fn spawn_releaser(
         &self,
-        release: Vec<OutMessage>,
         kafka_available: impl Fn() -> bool + Send + 'static,
         interval: Duration,
     ) {
         let slots = Arc::clone(&self.slots);
-        let metrics = Arc::clone(&self.factory.metrics);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -241,19 +247,9 @@ impl Publisher {
                 if !kafka_available() {
                     continue;
                 }
-                // Also every RELEASE_EVERY whatever was seen: a disconnection
-                // librdkafka did not report, or a release that committed
-                // before the coordinator skipped a marker, is ended then.
                 let periodic = last_release.elapsed() >= RELEASE_EVERY;
                 if periodic {
                     last_release = std::time::Instant::now();
-                    for slot in slots.iter() {
-                        slot.current
-                            .read()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .producer
-                            .request_release();
-                    }
                 }
                 for slot in slots.iter() {
                     let connected = slot
@@ -261,27 +257,21 @@ impl Publisher {
                         .read()
                         .unwrap_or_else(PoisonError::into_inner)
                         .clone();
-                    if !connected.producer.is_usable() || !connected.producer.take_release_request()
-                    {
+                    if !connected.producer.is_usable() {
                         continue;
                     }
-                    match connected.enqueuer.enqueue_array(release.clone()).await {
-                        Ok(_) => {
-                            metrics.partitions_released();
-                            tracing::info!(
-                                transactional_id = %slot.transactional_id,
-                                partitions = release.len(),
-                                "partitions released: no transaction of this producer stays open there"
-                            );
-                        }
-                        Err(error) => {
-                            connected.producer.request_release();
-                            tracing::warn!(
-                                transactional_id = %slot.transactional_id,
-                                error = %error,
-                                "releasing the producer's partitions failed; trying again"
-                            );
-                        }
+                    if periodic {
+                        connected.producer.request_release();
+                    }
+                    if !connected.producer.release_is_due() {
+                        continue;
+                    }
+                    if let Err(error) = connected.producer.release_if_due().await {
+                        tracing::warn!(
+                            transactional_id = %slot.transactional_id,
+                            error = %error,
+                            "releasing the producer's partitions failed; trying again"
+                        );
                     }
                 }
             }

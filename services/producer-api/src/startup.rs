@@ -94,9 +94,15 @@ impl Application {
             .expect("design_topics lists the records topic");
 
         let metrics = Arc::new(Metrics::new());
-        let publisher = Publisher::connect(&settings.kafka, &settings.api, Arc::clone(&metrics))
-            .await
-            .map_err(StartupError::Producers)?;
+        let records_topic = RecordsTopic::new(&settings.kafka.topics.records);
+        let publisher = Publisher::connect(
+            &settings.kafka,
+            &settings.api,
+            Arc::clone(&metrics),
+            records_topic.release_messages(records_partitions),
+        )
+        .await
+        .map_err(StartupError::Producers)?;
         let lookup_group = format!(
             "{}-{}-report-lookups",
             settings.api.transactional_id_prefix, settings.api.replica_id
@@ -112,11 +118,9 @@ impl Application {
             Arc::clone(&metrics),
             Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
         );
-        // Releases, at start-up and after the brokers come back, what the
-        // producers' earlier transactions may have left open.
-        let records_topic = RecordsTopic::new(&settings.kafka.topics.records);
+        // Releases what idle producers' earlier transactions may have left
+        // open once the brokers come back.
         publisher.spawn_releaser(
-            records_topic.release_messages(records_partitions),
             {
                 let health = Arc::clone(&kafka_health);
                 move || health.is_available()

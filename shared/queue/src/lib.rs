@@ -39,7 +39,7 @@ pub use context::{PartitionProgress, RebalanceEvent};
 pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
-pub use producer::{ProducerStatistics, TransactionalProducer};
+pub use producer::{ProducerOptions, ProducerStatistics, Release, TransactionalProducer};
 
 /// Re-exported so callers can read librdkafka's statistics without naming
 /// the rdkafka version themselves.

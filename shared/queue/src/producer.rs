@@ -1,8 +1,8 @@
 //! A transactional producer: one array, one transaction.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
 use rdkafka::consumer::ConsumerGroupMetadata;
@@ -25,7 +25,7 @@ pub struct ProducerStatistics {
     latest: Arc<Mutex<Option<Statistics>>>,
     /// Raised when librdkafka reports the brokers gone (all down, or a
     /// broker connection lost): once they answer again, the producer's
-    /// partitions should be released (see [`TransactionalProducer::take_release_request`]).
+    /// partitions should be released (see [`Release`]).
     disconnected: Arc<AtomicBool>,
 }
 
@@ -50,6 +50,54 @@ impl ClientContext for ProducerStatistics {
         }
         tracing::warn!(target: "librdkafka", error = %error, reason, "kafka producer error");
     }
+}
+
+/// What a producer commits to release its partitions, and how long it may
+/// wait for that.
+///
+/// A broker SIGKILLed right after a commit can come back with its
+/// transaction coordinator having skipped a partition's COMMIT marker
+/// (it found no leader for it at that moment) while marking the
+/// transaction complete: a hanging transaction. Every read_committed
+/// reader of that partition then stops at the committed records. Only a
+/// marker of the same producer ends it, and whichever comes first decides
+/// the records' fate: the next COMMIT keeps them, but an ABORT (any later
+/// transaction of that producer that touched the partition and failed)
+/// throws away records that were acknowledged. So a producer with a
+/// release never runs another transaction after connecting, or after the
+/// brokers were gone, before its release has committed: one message to
+/// every partition it may have written, sent only once each of them has a
+/// leader, with patience instead of the caller's short send timeout.
+#[derive(Clone, Default)]
+pub struct Release {
+    /// One message per partition the producer may have written; readers
+    /// recognise and skip them.
+    pub messages: Vec<OutMessage>,
+    /// How long sending and flushing a release may take (keep it under the
+    /// transaction timeout, past which the coordinator aborts it).
+    pub patience: Duration,
+    /// Called after each release that committed (a metric).
+    pub on_release: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl Release {
+    /// The patience that fits `settings`: three quarters of the
+    /// transaction timeout, at least one second.
+    pub fn patience_for(settings: &KafkaSettings) -> Duration {
+        Duration::from_millis((settings.transaction_timeout_ms * 3 / 4).max(1000))
+    }
+}
+
+/// How a [`TransactionalProducer`] is built.
+#[derive(Clone, Default)]
+pub struct ProducerOptions {
+    /// Bound on sending one transaction's messages (and on aborting it);
+    /// `None`: `kafka.request_timeout_ms`. When Kafka is away, a transaction
+    /// fails (aborted, nothing visible) after it.
+    pub send_timeout: Option<Duration>,
+    /// Committed at connect and whenever the brokers were gone, before any
+    /// other transaction (see [`Release`]).
+    pub release: Option<Release>,
 }
 
 /// A transactional, idempotent (`acks=all`) producer. One call to
@@ -80,8 +128,12 @@ struct Inner {
     /// must be recreated (a new `init_transactions` with the same id fences it
     /// and ends its open transaction).
     fatal: AtomicBool,
-    /// A release of the producer's partitions is due (set at connect).
+    /// What this producer commits to release its partitions, if anything.
+    release: Option<Release>,
+    /// A release of the producer's partitions is due (a failed one).
     release_pending: AtomicBool,
+    /// Releases committed.
+    releases: AtomicU64,
 }
 
 /// Consumer offsets to commit inside a transaction, with the consumer's group
@@ -99,18 +151,15 @@ impl TransactionalProducer {
         settings: &KafkaSettings,
         transactional_id: &str,
     ) -> Result<Self, QueueError> {
-        let timeout = Duration::from_millis(settings.request_timeout_ms);
-        Self::connect_with_send_timeout(settings, transactional_id, timeout).await
+        Self::connect_with(settings, transactional_id, ProducerOptions::default()).await
     }
 
-    /// [`connect`](Self::connect), with a bound on sending one transaction's
-    /// messages (and on aborting it) shorter than `kafka.request_timeout_ms`:
-    /// when Kafka is away, a transaction fails (aborted, nothing visible)
-    /// after `send_timeout` instead of the request timeout.
-    pub async fn connect_with_send_timeout(
+    /// [`connect`](Self::connect) with options; with a release, the
+    /// producer has committed it once this returns.
+    pub async fn connect_with(
         settings: &KafkaSettings,
         transactional_id: &str,
-        send_timeout: Duration,
+        options: ProducerOptions,
     ) -> Result<Self, QueueError> {
         let config = producer_config(settings, transactional_id)?;
         let statistics = ProducerStatistics::default();
@@ -126,45 +175,59 @@ impl TransactionalProducer {
         })
         .await??;
         tracing::debug!(transactional_id, "transactional producer ready");
-        Ok(TransactionalProducer {
-            inner: Arc::new(Inner {
-                producer,
-                statistics,
-                transactional_id: transactional_id.to_owned(),
-                timeout,
-                send_timeout,
-                transaction_lock: Mutex::new(()),
-                fatal: AtomicBool::new(false),
-                release_pending: AtomicBool::new(true),
-            }),
-        })
+        let inner = Arc::new(Inner {
+            producer,
+            statistics,
+            transactional_id: transactional_id.to_owned(),
+            timeout,
+            send_timeout: options.send_timeout.unwrap_or(timeout),
+            transaction_lock: Mutex::new(()),
+            fatal: AtomicBool::new(false),
+            release_pending: AtomicBool::new(options.release.is_some()),
+            release: options.release,
+            releases: AtomicU64::new(0),
+        });
+        let producer = TransactionalProducer { inner };
+        if producer.release_is_due() {
+            producer.release_if_due().await?;
+        }
+        Ok(producer)
     }
 
     pub fn transactional_id(&self) -> &str {
         &self.inner.transactional_id
     }
 
-    /// Whether this producer should release its partitions now, clearing
-    /// the request: true once after it connects (an earlier instance with
-    /// the same id may have left a transaction open) and once after each
-    /// time librdkafka reported the brokers gone (a broker that crashed
-    /// right after a commit may have skipped a COMMIT marker). Releasing is
-    /// committing a transaction that writes to every partition the producer
-    /// may have written, which puts a COMMIT marker there; the caller says
-    /// [`request_release`](Self::request_release) again if that fails.
-    pub fn take_release_request(&self) -> bool {
-        let disconnected = self
-            .inner
-            .statistics
-            .disconnected
-            .swap(false, Ordering::AcqRel);
-        let pending = self.inner.release_pending.swap(false, Ordering::AcqRel);
-        disconnected || pending
+    /// Whether a release is due: the producer has one, and it has not
+    /// committed since the producer connected or since librdkafka last
+    /// reported the brokers gone. Its next transaction releases first.
+    pub fn release_is_due(&self) -> bool {
+        self.inner.release_is_due()
     }
 
-    /// Asks for a release at the next [`take_release_request`](Self::take_release_request).
+    /// Commits the release now if one is due (see [`Release`]); `Ok` when
+    /// none is due. On failure the release stays due.
+    pub async fn release_if_due(&self) -> Result<(), QueueError> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || {
+            let _one_transaction_at_a_time =
+                inner.transaction_lock.lock().expect("transaction lock");
+            inner.release_locked()
+        })
+        .await?
+    }
+
+    /// Makes a release due (for a periodic one: a disconnection librdkafka
+    /// did not report).
     pub fn request_release(&self) {
-        self.inner.release_pending.store(true, Ordering::Release);
+        if self.inner.release.is_some() {
+            self.inner.release_pending.store(true, Ordering::Release);
+        }
+    }
+
+    /// Releases committed since the producer connected.
+    pub fn releases(&self) -> u64 {
+        self.inner.releases.load(Ordering::Relaxed)
     }
 
     /// False once the producer is fenced, or its transaction state is no
@@ -229,13 +292,118 @@ impl Inner {
                 RDKafkaErrorCode::Fatal,
             )));
         }
+        self.release_locked()?;
+        self.transact_locked(messages, offsets, self.send_timeout)
+    }
+
+    fn release_is_due(&self) -> bool {
+        self.release.is_some()
+            && (self.release_pending.load(Ordering::Acquire)
+                || self.statistics.disconnected.load(Ordering::Acquire))
+    }
+
+    /// Commits the release if one is due; the caller holds the transaction
+    /// lock. Nothing is sent until every partition to release has a leader:
+    /// a release that failed would be aborted, and its ABORT marker would
+    /// end a hanging transaction by throwing its records away.
+    fn release_locked(&self) -> Result<(), QueueError> {
+        let Some(release) = &self.release else {
+            return Ok(());
+        };
+        if !self.release_is_due() {
+            return Ok(());
+        }
+        if self.fatal.load(Ordering::Acquire) {
+            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fatal,
+            )));
+        }
+        // Cleared before, so a disconnection during the release asks again.
+        self.statistics.disconnected.store(false, Ordering::Release);
+        self.release_pending.store(true, Ordering::Release);
+        let started = Instant::now();
+        self.wait_for_leaders(&release.messages, release.patience)?;
+        self.transact_locked(&release.messages, None, release.patience)?;
+        self.release_pending.store(false, Ordering::Release);
+        self.releases.fetch_add(1, Ordering::Relaxed);
+        if let Some(on_release) = &release.on_release {
+            on_release();
+        }
+        tracing::info!(
+            transactional_id = %self.transactional_id,
+            partitions = release.messages.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "partitions released: no transaction of this producer stays open there"
+        );
+        Ok(())
+    }
+
+    /// Waits until every partition `messages` go to has a leader in the
+    /// brokers' metadata, at most `patience`.
+    fn wait_for_leaders(
+        &self,
+        messages: &[OutMessage],
+        patience: Duration,
+    ) -> Result<(), QueueError> {
+        let deadline = Instant::now() + patience;
+        let mut wanted: std::collections::BTreeMap<&str, Vec<i32>> = Default::default();
+        for message in messages {
+            if let Some(partition) = message.partition {
+                wanted
+                    .entry(message.topic.as_str())
+                    .or_default()
+                    .push(partition);
+            }
+        }
+        for (topic, partitions) in wanted {
+            loop {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let led = self
+                    .producer
+                    .client()
+                    .fetch_metadata(Some(topic), remaining.max(Duration::from_millis(100)))
+                    .map(|metadata| {
+                        metadata.topics().iter().any(|found| {
+                            found.name() == topic
+                                && found.error().is_none()
+                                && partitions.iter().all(|wanted| {
+                                    found.partitions().iter().any(|partition| {
+                                        partition.id() == *wanted && partition.leader() >= 0
+                                    })
+                                })
+                        })
+                    });
+                match led {
+                    Ok(true) => break,
+                    Ok(false) | Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Ok(false) => {
+                        return Err(QueueError::TransactionAborted(
+                            KafkaError::MessageProduction(RDKafkaErrorCode::LeaderNotAvailable),
+                        ));
+                    }
+                    Err(error) => return Err(QueueError::TransactionAborted(error)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One transaction; the caller holds the transaction lock.
+    fn transact_locked(
+        &self,
+        messages: &[OutMessage],
+        offsets: Option<OffsetsInTransaction<'_>>,
+        send_timeout: Duration,
+    ) -> Result<Vec<MessageId>, QueueError> {
         if let Err(error) = self.producer.begin_transaction() {
             // begin is local: it fails only when the state is not what we
             // think (an earlier abort still running), so start afresh.
             self.mark_unusable("begin_transaction failed", &error);
             return Err(self.classify(error));
         }
-        let deadline = std::time::Instant::now() + self.send_timeout;
+        let deadline = Instant::now() + send_timeout;
         let deliveries = match self.send_all(messages, offsets, deadline) {
             Ok(deliveries) => deliveries,
             Err(error) => {
