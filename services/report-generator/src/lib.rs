@@ -6,7 +6,8 @@
 //! - `worker.rs`: one session of the loop (its Kafka clients, its S3 handle);
 //! - `supervisor.rs`: runs sessions, rebuilding one after a Kafka or S3
 //!   failure, exiting on errors a restart cannot cure;
-//! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`.
+//! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`;
+//! - `stuck.rs`: partitions held back by a hanging transaction.
 
 mod application;
 mod document;
@@ -14,6 +15,7 @@ mod error;
 mod metrics;
 mod monitoring;
 mod partition;
+mod stuck;
 pub mod supervisor;
 mod watermarks;
 mod worker;

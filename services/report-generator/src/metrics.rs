@@ -68,8 +68,10 @@ pub struct WorkerMetrics {
     reports: Family<TriggerLabels, Counter>,
     dead_letters: Counter,
     release_messages: Counter,
+    release_transactions: Counter,
     consumer_lag: Family<PartitionLabels, Gauge>,
     last_stable_offset_lag: Family<PartitionLabels, Gauge>,
+    stuck_seconds: Family<PartitionLabels, Gauge>,
     assigned_partitions: Gauge,
     open_documents: Gauge,
     open_document_buffered_bytes: Gauge,
@@ -130,11 +132,23 @@ impl WorkerMetrics {
             "Release messages skipped: control messages a producer commits to its partitions after a broker comes back, so no transaction of its stays open there",
             release_messages.clone(),
         );
+        let release_transactions = Counter::default();
+        registry.register(
+            "release_transactions",
+            "Releases committed by the worker's producer: one message to each records and watermarks partition, at start and after the brokers were gone, so that no transaction of its stays open there",
+            release_transactions.clone(),
+        );
         let consumer_lag = Family::<PartitionLabels, Gauge>::default();
         registry.register(
             "consumer_lag",
             "Messages past the worker's position, per assigned partition (high watermark - position)",
             consumer_lag.clone(),
+        );
+        let stuck_seconds = Family::<PartitionLabels, Gauge>::default();
+        registry.register(
+            "partition_stuck_seconds",
+            "How long the partition's last stable offset has stayed behind its high watermark without moving, once that is longer than the transaction timeout (a hanging transaction; see the WARN that names the offset); no series while it moves",
+            stuck_seconds.clone(),
         );
         let last_stable_offset_lag = Family::<PartitionLabels, Gauge>::default();
         registry.register(
@@ -195,8 +209,10 @@ impl WorkerMetrics {
             reports,
             dead_letters,
             release_messages,
+            release_transactions,
             consumer_lag,
             last_stable_offset_lag,
+            stuck_seconds,
             assigned_partitions,
             open_documents,
             open_document_buffered_bytes,
@@ -211,6 +227,11 @@ impl WorkerMetrics {
     }
 
     /// The counters every S3 writer of the worker adds to.
+    /// The worker's producer committed a release.
+    pub fn partitions_released(&self) {
+        self.release_transactions.inc();
+    }
+
     pub fn s3_counters(&self) -> &Arc<WriterCounters> {
         &self.s3
     }
@@ -284,9 +305,22 @@ impl WorkerMetrics {
         *series = current;
     }
 
+    /// The partitions stuck behind a hanging transaction now (see `stuck.rs`).
+    pub fn stuck(&self, stuck: &[crate::stuck::Stuck]) {
+        self.stuck_seconds.clear();
+        for partition in stuck {
+            self.stuck_seconds
+                .get_or_create(&PartitionLabels {
+                    partition: partition.partition,
+                })
+                .set(gauge_value(partition.for_how_long.as_secs()));
+        }
+    }
+
     /// Forgets the partitions (a session ended: it holds none).
     pub fn no_partitions(&self) {
         self.partitions(0, &[]);
+        self.stuck(&[]);
         self.open_documents(OpenDocuments::default());
     }
 

@@ -116,6 +116,8 @@ pub struct WorkerHealth {
     assigned_partitions: AtomicUsize,
     /// 0 unknown, 1 a broker connection is up, 2 none is.
     brokers: AtomicU8,
+    /// Partitions held back by a hanging transaction.
+    stuck: std::sync::Mutex<Vec<crate::stuck::Stuck>>,
 }
 
 impl WorkerHealth {
@@ -127,7 +129,32 @@ impl WorkerHealth {
             state: AtomicU8::new(SessionState::Starting as u8),
             assigned_partitions: AtomicUsize::new(0),
             brokers: AtomicU8::new(0),
+            stuck: std::sync::Mutex::default(),
         }
+    }
+
+    pub fn set_stuck(&self, stuck: Vec<crate::stuck::Stuck>) {
+        *self
+            .stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stuck;
+    }
+
+    /// The partitions held back by a hanging transaction, for `/readyz`.
+    fn stuck_partitions(&self) -> Vec<serde_json::Value> {
+        self.stuck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|stuck| {
+                json!({
+                    "partition": stuck.partition,
+                    "last_stable_offset": stuck.last_stable_offset,
+                    "high_watermark": stuck.high_watermark,
+                    "stuck_seconds": stuck.for_how_long.as_secs(),
+                })
+            })
+            .collect()
     }
 
     /// The loop (or the supervisor, while it waits) is making progress.
@@ -223,21 +250,25 @@ async fn healthz(State(monitor): State<Monitor>) -> Response {
 }
 
 /// `GET /readyz`: 200 while a running session holds partitions, 503 naming
-/// why not.
+/// why not. Partitions held back by a hanging transaction are listed as
+/// `stuck_partitions` (status `degraded`, still 200: the worker serves its
+/// other partitions, and restarting it would not help).
 async fn readyz(State(monitor): State<Monitor>) -> Response {
     let health = &monitor.health;
+    let stuck = health.stuck_partitions();
     match health.readiness_problem() {
         None => (
             StatusCode::OK,
             axum::Json(json!({
-                "status": "ready",
+                "status": if stuck.is_empty() { "ready" } else { "degraded" },
                 "partitions": health.assigned_partitions.load(Ordering::Relaxed),
+                "stuck_partitions": stuck,
             })),
         )
             .into_response(),
         Some(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "not_ready", "reason": reason})),
+            axum::Json(json!({"status": "not_ready", "reason": reason, "stuck_partitions": stuck})),
         )
             .into_response(),
     }

@@ -71,6 +71,9 @@ pub fn load(
             Some(Err(error)) => return Err(error.into()),
             Some(Ok(message)) => {
                 let partition = message.partition();
+                if is_release(&message) {
+                    continue;
+                }
                 let Some(stream) = message
                     .key()
                     .and_then(|key| std::str::from_utf8(key).ok())
@@ -106,6 +109,20 @@ pub fn load(
         }
     }
     Ok(loaded)
+}
+
+/// A worker producer's release message (see `worker::release_messages`).
+fn is_release(message: &rdkafka::message::BorrowedMessage<'_>) -> bool {
+    use rdkafka::message::Headers;
+    message.headers().is_some_and(|headers| {
+        headers.iter().any(|header| {
+            header.key == quire_messages::HEADER_KIND
+                && header
+                    .value
+                    .and_then(quire_messages::MessageKind::from_header)
+                    == Some(quire_messages::MessageKind::Release)
+        })
+    }) || message.key() == Some(crate::worker::RELEASE_KEY.as_bytes())
 }
 
 /// Waits until the partition's last stable offset (what a read_committed

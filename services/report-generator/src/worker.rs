@@ -18,8 +18,8 @@ use quire_messages::{
     ReportEvent, ReportEventKind, ReportId, StreamName, Trigger,
 };
 use quire_queue::{
-    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, QueueError, RebalanceEvent,
-    TransactionalProducer,
+    Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, ProducerOptions, QueueError,
+    RebalanceEvent, Release, TopicSpec, TransactionalProducer,
 };
 use quire_s3::{S3Bucket, UploadPolicy};
 
@@ -28,6 +28,7 @@ use crate::document::{Appended, OpenDocument};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
+use crate::stuck::StuckWatch;
 
 /// How long a session's shutdown may spend aborting open documents and
 /// closing its Kafka clients before it leaves the rest to the background:
@@ -166,7 +167,43 @@ pub struct Worker {
     summary: RunSummary,
     /// The last transaction, if the group refused it.
     refused: Option<Refused>,
+    /// Partitions held back by a hanging transaction.
+    stuck: StuckWatch,
 }
+
+/// What the worker's producer commits to release its partitions (see
+/// [`Release`]): one message to every partition of the two topics whose
+/// readers the worker itself depends on, the records topic (its cut
+/// markers) and the watermarks (read to their end, once stable, when a
+/// worker takes a partition). Both kinds are recognised by `quire-kind:
+/// release` and skipped; the watermark one has a key no stream can have,
+/// because a compacted topic refuses messages without a key.
+fn release_messages(topics: &TopicNames, specs: &[TopicSpec]) -> Vec<OutMessage> {
+    let payload = format!("{{\"v\":{CURRENT_VERSION}}}").into_bytes();
+    let partitions = |topic: &str| {
+        specs
+            .iter()
+            .find(|spec| spec.name == topic)
+            .map_or(0, |spec| spec.partitions)
+    };
+    let release = |topic: &str, key: Option<&[u8]>, partition: i32| {
+        OutMessage::new(topic, key.map(<[u8]>::to_vec), payload.clone())
+            .with_header(HEADER_KIND, MessageKind::Release.as_header())
+            .with_header(HEADER_VERSION, CURRENT_VERSION.to_string())
+            .to_partition(partition)
+    };
+    (0..partitions(&topics.records))
+        .map(|partition| release(&topics.records, None, partition))
+        .chain(
+            (0..partitions(&topics.watermarks)).map(|partition| {
+                release(&topics.watermarks, Some(RELEASE_KEY.as_bytes()), partition)
+            }),
+        )
+        .collect()
+}
+
+/// The key of the watermark topic's release messages: not a stream name.
+pub(crate) const RELEASE_KEY: &str = "quire:release";
 
 impl Worker {
     /// Checks the topics, connects the transactional producer (fencing an
@@ -180,9 +217,23 @@ impl Worker {
             ));
         }
         let topics = settings.kafka.topics.clone();
-        quire_queue::check_topics(&settings.kafka, &quire_queue::design_topics(&topics, 1)).await?;
+        let specs = quire_queue::design_topics(&topics, 1);
+        quire_queue::check_topics(&settings.kafka, &specs).await?;
         let transactional_id = format!("{}-{}", worker.transactional_id_prefix, worker.replica_id);
-        let producer = TransactionalProducer::connect(&settings.kafka, &transactional_id).await?;
+        let released = std::sync::Arc::clone(&monitor.metrics);
+        let producer = TransactionalProducer::connect_with(
+            &settings.kafka,
+            &transactional_id,
+            ProducerOptions {
+                send_timeout: None,
+                release: Some(Release {
+                    messages: release_messages(&topics, &specs),
+                    patience: Release::patience_for(&settings.kafka),
+                    on_release: Some(std::sync::Arc::new(move || released.partitions_released())),
+                }),
+            },
+        )
+        .await?;
         let mut options = ConsumerOptions::new(&worker.group_id, &topics.records);
         options.group_instance_id = Some(worker.replica_id.clone());
         options.cooperative = true;
@@ -228,6 +279,7 @@ impl Worker {
             monitor: monitor.clone(),
             summary: RunSummary::default(),
             refused: None,
+            stuck: StuckWatch::new(Duration::from_millis(settings.kafka.transaction_timeout_ms)),
         })
     }
 
@@ -312,7 +364,7 @@ impl Worker {
 
     /// The gauges and the readiness state, once per array: a few atomics and
     /// one walk over the open documents, no call to Kafka or S3.
-    fn report_state(&self) {
+    fn report_state(&mut self) {
         let mut open = OpenDocuments::default();
         let mut oldest: Option<Instant> = None;
         for document in self
@@ -328,7 +380,13 @@ impl Worker {
         let metrics = &self.monitor.metrics;
         metrics.open_documents(open);
         let assigned = self.consumer.assignment().len();
-        metrics.partitions(assigned, &self.consumer.progress());
+        let progress = self.consumer.progress();
+        metrics.partitions(assigned, &progress);
+        let stuck = self
+            .stuck
+            .observe(&self.context.topics.records, &progress, Instant::now());
+        metrics.stuck(&stuck);
+        self.monitor.health.set_stuck(stuck);
         self.monitor
             .health
             .set_assignment(assigned, self.consumer.brokers_up());
