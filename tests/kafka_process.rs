@@ -1,7 +1,8 @@
 //! A private Kafka broker for the tests that stop and restart Kafka: one
 //! KRaft node (broker and controller) started from the local stack's cached
 //! jars, as a child process, on free loopback ports, with its data in a
-//! directory of its own.
+//! directory of its own; or a private cluster of three such nodes
+//! ([`KafkaCluster`]), replicated as production runs.
 //!
 //! The shared stack's broker is never touched: a test that needs Kafka to go
 //! away starts one of these, points its services at [`KafkaProcess::bootstrap`],
@@ -31,10 +32,17 @@ const START_LIMIT: Duration = Duration::from_secs(120);
 /// How long a controlled shutdown may take before it becomes a SIGKILL.
 const STOP_LIMIT: Duration = Duration::from_secs(60);
 
-/// A one-node KRaft broker owned by one test; killed and deleted when dropped.
+/// A one-node KRaft broker owned by one test (or one node of a
+/// [`KafkaCluster`]); killed and deleted when dropped.
 pub struct KafkaProcess {
     /// `127.0.0.1:<port>` of the PLAINTEXT listener.
     pub bootstrap: String,
+    /// `node.id`.
+    pub node_id: u32,
+    /// `None` alone; the cluster's `controller.quorum.voters` otherwise.
+    voters: Option<String>,
+    /// Replication of the internal topics and the ISR they need.
+    replication: u32,
     controller_port: u16,
     directory: PathBuf,
     libraries: PathBuf,
@@ -46,6 +54,22 @@ impl KafkaProcess {
     /// Formats a fresh data directory and starts the broker on free ports;
     /// returns once a metadata request succeeds.
     pub fn start_new() -> KafkaProcess {
+        let broker_port = crate::free_port();
+        let controller_port = crate::free_port();
+        let mut process = Self::prepare(1, broker_port, controller_port, None, 1);
+        process.format_storage(&uuid_for_kafka());
+        process.start();
+        process
+    }
+
+    /// A node's directory and configuration, not started nor formatted.
+    fn prepare(
+        node_id: u32,
+        broker_port: u16,
+        controller_port: u16,
+        voters: Option<String>,
+        replication: u32,
+    ) -> KafkaProcess {
         let repository = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .expect("the repository root above tests/")
@@ -61,10 +85,11 @@ impl KafkaProcess {
         );
         let directory = std::env::temp_dir().join(unique("quire-test-kafka"));
         fs::create_dir_all(directory.join("data")).expect("create the broker's directory");
-        let broker_port = crate::free_port();
-        let controller_port = crate::free_port();
-        let mut process = KafkaProcess {
+        let process = KafkaProcess {
             bootstrap: format!("127.0.0.1:{broker_port}"),
+            node_id,
+            voters,
+            replication,
             controller_port,
             directory,
             libraries,
@@ -72,8 +97,6 @@ impl KafkaProcess {
             child: None,
         };
         process.write_configuration(broker_port);
-        process.format_storage();
-        process.start();
         process
     }
 
@@ -85,6 +108,12 @@ impl KafkaProcess {
     /// Starts the broker (again) on the same ports and data directory and
     /// waits until it answers a metadata request.
     pub fn start(&mut self) {
+        self.spawn();
+        self.wait_until_ready();
+    }
+
+    /// Starts the process without waiting for it.
+    fn spawn(&mut self) {
         assert!(
             self.child.is_none(),
             "the private broker is already running"
@@ -113,7 +142,6 @@ impl KafkaProcess {
             .spawn()
             .expect("start java (Kafka needs Java 17+ on the PATH)");
         self.child = Some(child);
-        self.wait_until_ready();
     }
 
     /// SIGTERM (a controlled shutdown) and waits for the process to exit;
@@ -160,44 +188,7 @@ impl KafkaProcess {
     /// leader. They are not deleted one by one: they go with the broker's
     /// data directory.
     pub async fn create_topics(&self, specs: &[TopicSpec]) {
-        let settings = self.settings();
-        quire_queue::ensure_topics(&settings, specs)
-            .await
-            .unwrap_or_else(|error| {
-                panic!(
-                    "cannot create topics on the private broker {}: {error}",
-                    self.bootstrap
-                )
-            });
-        let client: BaseConsumer = client_config(&self.bootstrap)
-            .create()
-            .expect("metadata client");
-        for spec in specs {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let ready = client
-                    .fetch_metadata(Some(&spec.name), Duration::from_secs(5))
-                    .is_ok_and(|metadata| {
-                        metadata.topics().iter().any(|topic| {
-                            topic.error().is_none()
-                                && topic.partitions().len() as i32 == spec.partitions
-                                && topic
-                                    .partitions()
-                                    .iter()
-                                    .all(|partition| partition.leader() >= 0)
-                        })
-                    });
-                if ready {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "topic {} has no leaders on the private broker after 30 s",
-                    spec.name
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        create_topics_on(&self.bootstrap, specs).await;
     }
 
     /// The broker's own log, for a failure message.
@@ -205,6 +196,15 @@ impl KafkaProcess {
         let log = fs::read_to_string(self.directory.join("server.log")).unwrap_or_default();
         let all: Vec<&str> = log.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// The lines of the broker's own log that contain any of `needles`.
+    pub fn log_lines_containing(&self, needles: &[&str]) -> String {
+        let log = fs::read_to_string(self.directory.join("server.log")).unwrap_or_default();
+        log.lines()
+            .filter(|line| needles.iter().any(|needle| line.contains(needle)))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn configuration_path(&self) -> String {
@@ -238,11 +238,18 @@ impl KafkaProcess {
     fn write_configuration(&self, broker_port: u16) {
         let controller_port = self.controller_port;
         let data = self.directory.join("data");
+        let node_id = self.node_id;
+        let quorum = match &self.voters {
+            None => format!("controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}"),
+            Some(voters) => format!("controller.quorum.voters={voters}"),
+        };
+        let replication = self.replication;
+        let min_isr = if replication >= 3 { 2 } else { 1 };
         let configuration = format!(
             "# A private broker of one quire test (tests/kafka_process.rs).\n\
              process.roles=broker,controller\n\
-             node.id=1\n\
-             controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}\n\
+             node.id={node_id}\n\
+             {quorum}\n\
              listeners=PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}\n\
              advertised.listeners=PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}\n\
              controller.listener.names=CONTROLLER\n\
@@ -250,15 +257,15 @@ impl KafkaProcess {
              listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT\n\
              log.dirs={}\n\
              num.partitions=1\n\
-             default.replication.factor=1\n\
-             min.insync.replicas=1\n\
-             offsets.topic.replication.factor=1\n\
+             default.replication.factor={replication}\n\
+             min.insync.replicas={min_isr}\n\
+             offsets.topic.replication.factor={replication}\n\
              offsets.topic.num.partitions=3\n\
-             transaction.state.log.replication.factor=1\n\
-             transaction.state.log.min.isr=1\n\
+             transaction.state.log.replication.factor={replication}\n\
+             transaction.state.log.min.isr={min_isr}\n\
              transaction.state.log.num.partitions=3\n\
-             share.coordinator.state.topic.replication.factor=1\n\
-             share.coordinator.state.topic.min.isr=1\n\
+             share.coordinator.state.topic.replication.factor={replication}\n\
+             share.coordinator.state.topic.min.isr={min_isr}\n\
              group.initial.rebalance.delay.ms=0\n\
              auto.create.topics.enable=false\n",
             data.to_string_lossy()
@@ -266,19 +273,14 @@ impl KafkaProcess {
         fs::write(self.configuration_path(), configuration).expect("write server.properties");
     }
 
-    fn format_storage(&self) {
-        let cluster_id = uuid_for_kafka();
-        let output = self
-            .java()
-            .args([
-                "kafka.tools.StorageTool",
-                "format",
-                "--standalone",
-                "-t",
-                &cluster_id,
-                "-c",
-                &self.configuration_path(),
-            ])
+    fn format_storage(&self, cluster_id: &str) {
+        let mut command = self.java();
+        command.args(["kafka.tools.StorageTool", "format"]);
+        if self.voters.is_none() {
+            command.arg("--standalone");
+        }
+        let output = command
+            .args(["-t", cluster_id, "-c", &self.configuration_path()])
             .output()
             .expect("run kafka.tools.StorageTool (Kafka needs Java 17+ on the PATH)");
         assert!(
@@ -328,6 +330,179 @@ impl Drop for KafkaProcess {
             );
         }
     }
+}
+
+/// Creates `specs` through `bootstrap` and waits until every partition has
+/// a leader and as many in-sync replicas as the spec asks for.
+async fn create_topics_on(bootstrap: &str, specs: &[TopicSpec]) {
+    let settings = KafkaSettings::for_bootstrap(bootstrap);
+    quire_queue::ensure_topics(&settings, specs)
+        .await
+        .unwrap_or_else(|error| {
+            panic!("cannot create topics on the private broker(s) {bootstrap}: {error}")
+        });
+    let client: BaseConsumer = client_config(bootstrap).create().expect("metadata client");
+    for spec in specs {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = client
+                .fetch_metadata(Some(&spec.name), Duration::from_secs(5))
+                .is_ok_and(|metadata| {
+                    metadata.topics().iter().any(|topic| {
+                        topic.error().is_none()
+                            && topic.partitions().len() as i32 == spec.partitions
+                            && topic.partitions().iter().all(|partition| {
+                                partition.leader() >= 0
+                                    && partition.isr().len() as i32 >= spec.replication
+                            })
+                    })
+                });
+            if ready {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "topic {} has no leaders (or too few in-sync replicas) on {bootstrap} after 30 s",
+                spec.name
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// A three-node KRaft cluster owned by one test: each node broker and
+/// controller, a static quorum of the three, every internal topic with
+/// three replicas and `min.insync.replicas=2`, as production runs. Nodes
+/// are killed and started one by one; the cluster goes when dropped.
+pub struct KafkaCluster {
+    /// Every node's PLAINTEXT listener, comma-separated.
+    pub bootstrap: String,
+    nodes: Vec<KafkaProcess>,
+}
+
+impl KafkaCluster {
+    /// Formats and starts `size` nodes; returns once each answers.
+    pub fn start_new(size: u32) -> KafkaCluster {
+        let ports: Vec<(u16, u16)> = (0..size)
+            .map(|_| (crate::free_port(), crate::free_port()))
+            .collect();
+        let voters = ports
+            .iter()
+            .enumerate()
+            .map(|(index, (_, controller))| format!("{}@127.0.0.1:{controller}", index + 1))
+            .collect::<Vec<_>>()
+            .join(",");
+        let cluster_id = uuid_for_kafka();
+        let mut nodes: Vec<KafkaProcess> = ports
+            .iter()
+            .enumerate()
+            .map(|(index, &(broker, controller))| {
+                let node = KafkaProcess::prepare(
+                    index as u32 + 1,
+                    broker,
+                    controller,
+                    Some(voters.clone()),
+                    size,
+                );
+                node.format_storage(&cluster_id);
+                node
+            })
+            .collect();
+        // A quorum forms only once a majority runs: start all, then wait.
+        for node in &mut nodes {
+            node.spawn();
+        }
+        for node in &mut nodes {
+            node.wait_until_ready();
+        }
+        KafkaCluster {
+            bootstrap: nodes
+                .iter()
+                .map(|node| node.bootstrap.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            nodes,
+        }
+    }
+
+    /// Settings for clients of the whole cluster.
+    pub fn settings(&self) -> KafkaSettings {
+        KafkaSettings::for_bootstrap(&self.bootstrap)
+    }
+
+    /// Creates topics and waits until each partition has its replicas in sync.
+    pub async fn create_topics(&self, specs: &[TopicSpec]) {
+        create_topics_on(&self.bootstrap, specs).await;
+    }
+
+    /// SIGKILLs node `node_id`.
+    pub fn kill(&mut self, node_id: u32) {
+        self.node(node_id).kill();
+    }
+
+    /// Starts node `node_id` again and waits until it answers.
+    pub fn start(&mut self, node_id: u32) {
+        self.node(node_id).start();
+    }
+
+    /// The node leading `topic`'s `partition` now (metadata from any node).
+    pub fn leader_of(&self, topic: &str, partition: i32) -> u32 {
+        let client: BaseConsumer = client_config(&self.bootstrap)
+            .set("log_level", "0")
+            .create()
+            .expect("metadata client");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let leader = client
+                .fetch_metadata(Some(topic), Duration::from_secs(5))
+                .ok()
+                .and_then(|metadata| {
+                    metadata
+                        .topics()
+                        .iter()
+                        .find(|found| found.name() == topic)
+                        .and_then(|found| {
+                            found
+                                .partitions()
+                                .iter()
+                                .find(|found| found.id() == partition)
+                                .map(|found| found.leader())
+                        })
+                })
+                .filter(|leader| *leader > 0);
+            if let Some(leader) = leader {
+                return leader as u32;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{topic}[{partition}] has no leader after 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The broker log of node `node_id`, lines containing any of `needles`.
+    pub fn log_lines_containing(&self, node_id: u32, needles: &[&str]) -> String {
+        self.nodes[node_id as usize - 1].log_lines_containing(needles)
+    }
+
+    fn node(&mut self, node_id: u32) -> &mut KafkaProcess {
+        let count = self.nodes.len();
+        self.nodes
+            .get_mut(node_id as usize - 1)
+            .unwrap_or_else(|| panic!("node {node_id} of a {count}-node cluster"))
+    }
+}
+
+/// The `__transaction_state` partition that coordinates `transactional_id`
+/// among `partitions`: Kafka's `Utils.abs(id.hashCode()) % partitions`, with
+/// Java's `String.hashCode`.
+pub fn transaction_state_partition(transactional_id: &str, partitions: i32) -> i32 {
+    let hash = transactional_id.encode_utf16().fold(0i32, |hash, unit| {
+        hash.wrapping_mul(31).wrapping_add(i32::from(unit))
+    });
+    let abs = if hash == i32::MIN { 0 } else { hash.abs() };
+    abs % partitions
 }
 
 fn client_config(bootstrap: &str) -> ClientConfig {
@@ -383,5 +558,15 @@ mod tests {
                 "{id}"
             );
         }
+    }
+
+    #[test]
+    fn the_coordinating_partition_follows_java_string_hash_code() {
+        // "abc".hashCode() == 96354; "polygenelubricants".hashCode() == i32::MIN.
+        assert_eq!(super::transaction_state_partition("abc", 50), 96354 % 50);
+        assert_eq!(
+            super::transaction_state_partition("polygenelubricants", 50),
+            0
+        );
     }
 }

@@ -136,6 +136,23 @@ fn plain_config(settings: &KafkaSettings) -> ClientConfig {
     config
 }
 
+/// A partition's last stable offset (what read_committed readers may read
+/// up to) and its high watermark, from the broker.
+pub fn stable_and_high(settings: &KafkaSettings, topic: &str, partition: i32) -> (i64, i64) {
+    let watermark = |isolation: &str| {
+        let mut config = plain_config(settings);
+        config
+            .set("group.id", unique("watermarks"))
+            .set("isolation.level", isolation);
+        let consumer: BaseConsumer = config.create().expect("watermark reader");
+        consumer
+            .fetch_watermarks(topic, partition, Duration::from_secs(10))
+            .map(|(_, high)| high)
+            .unwrap_or(-1)
+    };
+    (watermark("read_committed"), watermark("read_uncommitted"))
+}
+
 /// A message as an independent reader sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {

@@ -11,7 +11,7 @@ use quire_config::{KafkaSettings, Settings, TopicNames};
 use report_generator::{Application, Mode, RunSummary, WorkerError};
 use serde_json::{Value, json};
 
-use crate::kafka_process::KafkaProcess;
+use crate::kafka_process::{KafkaCluster, KafkaProcess};
 use crate::s3::{TestBucket, s3_settings};
 use crate::{kafka_settings, read_all, unique};
 
@@ -54,6 +54,22 @@ impl TestStack {
             bucket: TestBucket::create(prefix).await,
             group: unique(&format!("test.{prefix}.workers")),
             kafka: broker.settings(),
+            _topics: Vec::new(),
+        }
+    }
+
+    /// The same, on a test's private [`KafkaCluster`]: every topic with one
+    /// replica per node.
+    pub async fn create_on_cluster(prefix: &str, cluster: &KafkaCluster) -> TestStack {
+        let topics = Self::topic_names(prefix);
+        cluster
+            .create_topics(&quire_queue::design_topics(&topics, 3))
+            .await;
+        TestStack {
+            topics,
+            bucket: TestBucket::create(prefix).await,
+            group: unique(&format!("test.{prefix}.workers")),
+            kafka: cluster.settings(),
             _topics: Vec::new(),
         }
     }

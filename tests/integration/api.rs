@@ -708,20 +708,9 @@ async fn while_kafka_is_away_publishing_is_503_at_once_and_the_api_recovers_alon
     let stream = unique("away");
     let (status, _, before) = post_array(&api, &stream, 0, "before").await;
     assert_eq!(status, 200, "{before}");
-    // The 200 comes once the coordinator has logged the commit; the commit
-    // markers reach the partition a moment later. Killing the broker in
-    // between once left the array unreadable after the restart (CI, one run
-    // in about ten): what is tested here is the API's behaviour, so the
-    // broker dies once the array is readable.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while published_seqs(&stack, &broker, true).await != (0..10).collect::<Vec<u64>>() {
-        assert!(
-            Instant::now() < deadline,
-            "the first array never became readable"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-
+    // SIGKILL right at the 200: the restarted coordinator may skip a COMMIT
+    // marker, and the API's release makes good (hanging.rs); the array
+    // must be readable all the same in the end (checked below).
     broker.kill();
     let killed = Instant::now();
     let refused = loop {

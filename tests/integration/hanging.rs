@@ -1,24 +1,207 @@
-//! The API across broker crashes, on a private broker.
+//! A broker crash must never hold back an array the API answered 200 for.
 //!
-//! A single broker SIGKILLed right after a commit can come back with its
-//! coordinator having skipped a partition's COMMIT marker (a hanging
-//! transaction: read_committed readers stop there). The API releases its
-//! partitions after it connects and every 10 s, but that does not yet end
-//! every such hang reliably (issue 10): the crash-round tests that show it
-//! return with the fix. What is tested here is that the API's look-ups
-//! answer from the broker once it is back, not from stale client errors.
+//! On a single broker SIGKILLed right after a transaction's commit was
+//! acknowledged, the restarted transaction coordinator can find a partition
+//! briefly leaderless, skip that partition's COMMIT marker and still mark the
+//! transaction complete: the partition's last stable offset then stays at
+//! the array, and every read_committed reader (the workers, the API's
+//! look-ups) stops there until the same producer writes a marker there
+//! again: a COMMIT keeps the array, an ABORT (any later transaction of that
+//! producer on the partition that fails) throws it away. Each API producer
+//! therefore commits a release (one message to every records partition,
+//! sent once they all have leaders, with patience) at start-up and whenever
+//! it saw the brokers gone, before any other transaction. Before that rule
+//! about one round in two stayed stuck; with a release that could fail and
+//! be aborted, one in twelve lost its array.
 
 use std::time::{Duration, Instant};
 
 use quire_tests::kafka_process::KafkaProcess;
-use quire_tests::pipeline::TestStack;
-use quire_tests::unique;
+use quire_tests::pipeline::{TestStack, partition_of};
+use quire_tests::{read_all, unique};
 use serde_json::json;
+
+/// Rounds of "POST, SIGKILL at the 200, restart". Before the repair about
+/// one round in two left its partition behind here.
+const ROUNDS: u64 = 8;
+/// How soon after the broker is back every accepted array must be readable.
+const READABLE_WITHIN: Duration = Duration::from_secs(30);
+const RECORDS_PARTITIONS: i32 = 12;
 
 fn blocking<T: Send + 'static>(
     operation: impl FnOnce() -> T + Send + 'static,
 ) -> tokio::task::JoinHandle<T> {
     tokio::task::spawn_blocking(operation)
+}
+
+/// Whether the record `seq` of `stream` is readable under read_committed.
+async fn readable(broker: &KafkaProcess, topic: &str, stream: &str, seq: u64) -> bool {
+    let settings = broker.settings();
+    let topic = topic.to_owned();
+    let stream = stream.to_owned();
+    blocking(move || {
+        read_all(&settings, &topic, RECORDS_PARTITIONS, true)
+            .iter()
+            .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
+            .filter_map(|message| {
+                serde_json::from_slice::<serde_json::Value>(&message.payload).ok()
+            })
+            .any(|record| record["seq"].as_u64() == Some(seq))
+    })
+    .await
+    .unwrap()
+}
+
+/// What happens to the API across a round's broker crash.
+#[derive(Clone, Copy, PartialEq)]
+enum Api {
+    /// It lives on and sees the broker come back (same producer epoch).
+    Survives,
+    /// It is SIGKILLed with the broker and started again with the same
+    /// transactional ids, so its producers come back with a bumped epoch.
+    Restarted,
+}
+
+/// Where the array of `stream` was written, read_uncommitted.
+async fn written_at(broker: &KafkaProcess, topic: &str, stream: &str) -> Option<i64> {
+    let settings = broker.settings();
+    let topic = topic.to_owned();
+    let stream = stream.to_owned();
+    blocking(move || {
+        read_all(&settings, &topic, RECORDS_PARTITIONS, false)
+            .iter()
+            .find(|message| message.key.as_deref() == Some(stream.as_bytes()))
+            .map(|message| message.offset)
+    })
+    .await
+    .unwrap()
+}
+
+/// `ROUNDS` rounds of "POST one record, SIGKILL the broker at the 200,
+/// start it again"; the rounds whose array was not readable under
+/// read_committed `READABLE_WITHIN` after the broker was back.
+async fn crash_rounds(prefix: &str, api_fate: Api) -> Vec<String> {
+    let broker = blocking(KafkaProcess::start_new).await.unwrap();
+    let stack = TestStack::create_on(prefix, &broker).await;
+    let transactional_prefix = unique("test-api-hang");
+    let extra = [(
+        "QUIRE_API__TRANSACTIONAL_ID_PREFIX",
+        transactional_prefix.as_str(),
+    )];
+    let mut api = Some(stack.start_api_with(&extra).await);
+    let mut broker = Some(broker);
+    let mut stuck = Vec::new();
+    let mut waits = Vec::new();
+    for round in 0..ROUNDS {
+        let stream = unique(&format!("hang{round}"));
+        let seq = round;
+        let client = api.as_ref().unwrap();
+        // The API may still answer 503 while it reconnects after the last
+        // round's restart: nothing is published then, so send again.
+        let started = Instant::now();
+        loop {
+            let (status, body) = client
+                .send(&stream, &[json!({"stream": stream, "seq": seq})])
+                .await;
+            if status == 200 {
+                break;
+            }
+            assert!(
+                matches!(status, 503 | 429),
+                "round {round}: {status} {body}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(120),
+                "round {round}: the API never accepted the array: {body}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // SIGKILL as soon as the 200 arrives, then the same broker again.
+        let mut killed = broker.take().unwrap();
+        let restart_api = api_fate == Api::Restarted;
+        if restart_api {
+            drop(api.take());
+        }
+        killed = blocking(move || {
+            killed.kill();
+            killed.start();
+            killed
+        })
+        .await
+        .unwrap();
+        let back = Instant::now();
+        if restart_api {
+            api = Some(stack.start_api_with(&extra).await);
+        }
+        loop {
+            if readable(&killed, &stack.topics.records, &stream, seq).await {
+                waits.push(back.elapsed());
+                break;
+            }
+            if back.elapsed() > READABLE_WITHIN {
+                let partition = partition_of(&stream, RECORDS_PARTITIONS as u32) as i32;
+                let settings = killed.settings();
+                let topic = stack.topics.records.clone();
+                let (stable, high) =
+                    blocking(move || quire_tests::stable_and_high(&settings, &topic, partition))
+                        .await
+                        .unwrap();
+                let written = written_at(&killed, &stack.topics.records, &stream).await;
+                stuck.push(format!(
+                    "round {round}: {}-{partition}: the array is at offset {written:?}, \
+                     the last stable offset is {stable}, the high watermark {high} ({})",
+                    stack.topics.records,
+                    match written {
+                        Some(offset) if stable > offset => "passed but unreadable: aborted",
+                        Some(_) => "held back: a hanging transaction",
+                        None => "not in the log at all",
+                    }
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        broker = Some(killed);
+    }
+    // How often the restarted coordinator did skip a marker: the rounds the
+    // release had to repair.
+    let skipped = broker
+        .as_ref()
+        .unwrap()
+        .log_lines_containing(&["Couldn't find leader endpoint"])
+        .lines()
+        .count();
+    quire_tests::figures(&format!(
+        "hanging transactions ({prefix}): {} of {ROUNDS} rounds stuck; COMMIT markers skipped by the restarted coordinator: {skipped} times; readable after {waits:?}",
+        stuck.len()
+    ));
+    if !stuck.is_empty() {
+        stuck.push(broker.as_ref().unwrap().log_lines_containing(&[
+            "Couldn't find leader endpoint",
+            "Aborting",
+            "abort transaction",
+        ]));
+    }
+    drop(api);
+    stuck
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_array_accepted_right_before_a_broker_crash_is_readable_soon_after_the_restart() {
+    let stuck = crash_rounds("hanging", Api::Survives).await;
+    assert!(
+        stuck.is_empty(),
+        "accepted arrays not readable {READABLE_WITHIN:?} after the broker was back: {stuck:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_api_with_a_bumped_epoch_still_releases_what_its_predecessor_left() {
+    let stuck = crash_rounds("hanging-epoch", Api::Restarted).await;
+    assert!(
+        stuck.is_empty(),
+        "after an epoch bump, accepted arrays not readable {READABLE_WITHIN:?} after the broker was back: {stuck:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
