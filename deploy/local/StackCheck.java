@@ -1,15 +1,19 @@
 // Health check and topic set-up for the local stack (deploy/local/stack).
 //
 // Run as a single-file program against the broker's own jars:
-//   java -cp '<kafka-libs>/*' StackCheck.java <bootstrap> <timeout-seconds> [topic-spec ...]
+//   java -cp '<kafka-libs>/*' StackCheck.java [--replicas N] <bootstrap> <timeout-seconds> [topic-spec ...]
 // topic-spec: name:partitions[:key=value[,key=value...]]
+// --replicas N: the cluster has N brokers and every topic N replicas (default 1).
 //
-// It (1) waits until the cluster answers, (2) creates the given topics unless
-// they exist, and (3) proves the broker really works for quire's semantics: a
-// transactional produce, commit, and a read_committed consume of the same
-// message (this exercises the transaction coordinator and its internal topic,
-// which a plain "port is open" check would not). Exit 0 on success, 1 with one
-// clear line on stderr otherwise. The whole run is bounded by the timeout.
+// It (1) waits until the cluster answers with N registered brokers, (2)
+// creates the given topics unless they exist, with N replicas, and waits until
+// every partition has a leader and all N replicas in sync, and (3) proves the
+// broker really works for quire's semantics: a transactional produce, commit,
+// and a read_committed consume of the same message (this exercises the
+// transaction coordinator and its internal topic, which a plain "port is open"
+// check would not); then the internal topics that exist must be fully in sync
+// too. Exit 0 on success, 1 with one clear line on stderr otherwise. The whole
+// run is bounded by the timeout.
 
 import java.time.Duration;
 import java.util.ArrayList;
@@ -29,6 +33,7 @@ import org.apache.kafka.clients.admin.AlterConfigOp;
 import org.apache.kafka.clients.admin.ConfigEntry;
 import org.apache.kafka.common.config.ConfigResource;
 import org.apache.kafka.clients.admin.NewTopic;
+import org.apache.kafka.clients.admin.ListTopicsOptions;
 import org.apache.kafka.clients.admin.TopicDescription;
 import org.apache.kafka.clients.consumer.ConsumerConfig;
 import org.apache.kafka.clients.consumer.ConsumerRecord;
@@ -37,7 +42,9 @@ import org.apache.kafka.clients.producer.KafkaProducer;
 import org.apache.kafka.clients.producer.ProducerConfig;
 import org.apache.kafka.clients.producer.ProducerRecord;
 import org.apache.kafka.clients.producer.RecordMetadata;
+import org.apache.kafka.common.Node;
 import org.apache.kafka.common.TopicPartition;
+import org.apache.kafka.common.TopicPartitionInfo;
 import org.apache.kafka.common.errors.TopicExistsException;
 import org.apache.kafka.common.serialization.StringDeserializer;
 import org.apache.kafka.common.serialization.StringSerializer;
@@ -66,13 +73,19 @@ public class StackCheck {
         }
     }
 
-    public static void main(String[] args) {
-        if (args.length < 2) {
-            System.err.println("usage: StackCheck <bootstrap> <timeout-seconds> [name:partitions[:k=v,...] ...]");
+    public static void main(String[] argv) {
+        List<String> args = new ArrayList<>(List.of(argv));
+        int replicas = 1;
+        if (args.size() >= 2 && args.get(0).equals("--replicas")) {
+            replicas = Integer.parseInt(args.get(1));
+            args.subList(0, 2).clear();
+        }
+        if (args.size() < 2 || replicas < 1) {
+            System.err.println("usage: StackCheck [--replicas N] <bootstrap> <timeout-seconds> [name:partitions[:k=v,...] ...]");
             System.exit(2);
         }
-        String bootstrap = args[0];
-        long timeoutSeconds = Long.parseLong(args[1]);
+        String bootstrap = args.get(0);
+        long timeoutSeconds = Long.parseLong(args.get(1));
         long deadlineNanos = System.nanoTime() + TimeUnit.SECONDS.toNanos(timeoutSeconds);
 
         // A hard bound whatever a client call does (metadata waits can block).
@@ -90,8 +103,8 @@ public class StackCheck {
 
         try {
             List<TopicSpec> topics = new ArrayList<>();
-            for (int i = 2; i < args.length; i++) {
-                topics.add(TopicSpec.parse(args[i]));
+            for (int i = 2; i < args.size(); i++) {
+                topics.add(TopicSpec.parse(args.get(i)));
             }
             topics.add(new TopicSpec(CHECK_TOPIC, 1, Map.of("retention.ms", "3600000")));
 
@@ -99,12 +112,19 @@ public class StackCheck {
             // pending requests without limit when the broker is gone.
             Admin admin = Admin.create(adminProps(bootstrap));
             try {
-                waitForCluster(admin, bootstrap, deadlineNanos);
-                ensureTopics(admin, topics);
+                waitForCluster(admin, bootstrap, replicas, deadlineNanos);
+                ensureTopics(admin, topics, replicas);
+                List<String> names = topics.stream().map(TopicSpec::name).toList();
+                waitForReplicas(admin, names, replicas, deadlineNanos);
+                transactionalRoundTrip(bootstrap, deadlineNanos);
+                // The round trip made the transaction coordinator create
+                // __transaction_state; a crash must not leave it on one copy either.
+                List<String> internal = admin.listTopics(new ListTopicsOptions().listInternal(true)).names().get()
+                        .stream().filter(name -> name.startsWith("__")).sorted().toList();
+                waitForReplicas(admin, internal, replicas, deadlineNanos);
             } finally {
                 admin.close(CLOSE_TIMEOUT);
             }
-            transactionalRoundTrip(bootstrap, deadlineNanos);
             System.exit(0);
         } catch (Exception e) {
             Throwable cause = e instanceof ExecutionException && e.getCause() != null ? e.getCause() : e;
@@ -125,13 +145,21 @@ public class StackCheck {
         return Math.max(0, TimeUnit.NANOSECONDS.toMillis(deadlineNanos - System.nanoTime()));
     }
 
-    /** A freshly started broker accepts connections before it has a controller; retry until it answers. */
-    static void waitForCluster(Admin admin, String bootstrap, long deadlineNanos) throws Exception {
+    /**
+     * A freshly started broker accepts connections before it has a controller; retry until it
+     * answers and at least {@code brokers} brokers are registered (a topic with N replicas
+     * cannot be created on fewer).
+     */
+    static void waitForCluster(Admin admin, String bootstrap, int brokers, long deadlineNanos) throws Exception {
         Exception last = null;
+        int seen = 0;
         while (remainingMillis(deadlineNanos) > 0) {
             try {
-                int brokers = admin.describeCluster().nodes().get(5, TimeUnit.SECONDS).size();
-                if (brokers > 0) {
+                seen = admin.describeCluster().nodes().get(5, TimeUnit.SECONDS).size();
+                if (seen >= brokers) {
+                    if (brokers > 1) {
+                        System.out.println("stack-check: " + seen + " brokers registered");
+                    }
                     return;
                 }
             } catch (Exception e) {
@@ -139,16 +167,57 @@ public class StackCheck {
             }
             Thread.sleep(500);
         }
+        if (seen > 0) {
+            throw new IllegalStateException("cluster at " + bootstrap + " has " + seen + " of " + brokers + " brokers registered");
+        }
         throw new IllegalStateException("cluster at " + bootstrap + " did not answer" + (last == null ? "" : ": " + last));
     }
 
-    static void ensureTopics(Admin admin, List<TopicSpec> topics) throws Exception {
+    /** Waits until every partition of the topics has a leader and an ISR of {@code replicas}. */
+    static void waitForReplicas(Admin admin, List<String> names, int replicas, long deadlineNanos) throws Exception {
+        if (names.isEmpty()) {
+            return;
+        }
+        List<String> lagging = List.of();
+        while (remainingMillis(deadlineNanos) > 0) {
+            lagging = new ArrayList<>();
+            int partitions = 0;
+            try {
+                Map<String, TopicDescription> described = admin.describeTopics(names).allTopicNames().get(5, TimeUnit.SECONDS);
+                for (TopicDescription description : described.values()) {
+                    for (TopicPartitionInfo info : description.partitions()) {
+                        partitions++;
+                        Node leader = info.leader();
+                        if (leader == null || leader.isEmpty() || info.isr().size() < replicas) {
+                            lagging.add(description.name() + "-" + info.partition() + " (leader "
+                                    + (leader == null || leader.isEmpty() ? "none" : leader.id()) + ", isr " + info.isr().size() + ")");
+                        }
+                    }
+                }
+                if (lagging.isEmpty()) {
+                    if (replicas > 1) {
+                        System.out.println("stack-check: " + names.size() + " topics, " + partitions
+                                + " partitions: each has a leader and " + replicas + " replicas in sync (" + String.join(", ", names) + ")");
+                    }
+                    return;
+                }
+            } catch (Exception e) {
+                lagging = List.of(e.toString());
+            }
+            Thread.sleep(500);
+        }
+        throw new IllegalStateException("partitions without a leader or with fewer than " + replicas + " replicas in sync: "
+                + String.join(", ", lagging.subList(0, Math.min(6, lagging.size()))) + (lagging.size() > 6 ? ", ..." : ""));
+    }
+
+    static void ensureTopics(Admin admin, List<TopicSpec> topics, int replicas) throws Exception {
         for (TopicSpec topic : topics) {
-            NewTopic newTopic = new NewTopic(topic.name(), Optional.of(topic.partitions()), Optional.of((short) 1))
+            NewTopic newTopic = new NewTopic(topic.name(), Optional.of(topic.partitions()), Optional.of((short) replicas))
                     .configs(topic.configs());
             try {
                 admin.createTopics(List.of(newTopic)).all().get();
-                System.out.println("stack-check: topic " + topic.name() + " created (" + topic.partitions() + " partitions)");
+                System.out.println("stack-check: topic " + topic.name() + " created (" + topic.partitions() + " partitions"
+                        + (replicas > 1 ? ", " + replicas + " replicas" : "") + ")");
             } catch (ExecutionException e) {
                 if (!(e.getCause() instanceof TopicExistsException)) {
                     throw e;
@@ -173,6 +242,11 @@ public class StackCheck {
                 if (actual != topic.partitions()) {
                     System.out.println("stack-check: WARNING topic " + topic.name() + " exists with " + actual
                             + " partitions, expected " + topic.partitions() + " (left unchanged)");
+                }
+                int actualReplicas = description.partitions().get(0).replicas().size();
+                if (actualReplicas != replicas) {
+                    System.out.println("stack-check: WARNING topic " + topic.name() + " exists with " + actualReplicas
+                            + " replicas, expected " + replicas + " (left unchanged)");
                 }
             }
         }
