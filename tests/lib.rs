@@ -153,6 +153,45 @@ pub fn stable_and_high(settings: &KafkaSettings, topic: &str, partition: i32) ->
     (watermark("read_committed"), watermark("read_uncommitted"))
 }
 
+/// A transactional producer of the raw client, for transactions the test
+/// ends by hand (or leaves open).
+pub fn raw_transactional_producer(
+    settings: &KafkaSettings,
+    id: &str,
+) -> rdkafka::producer::FutureProducer {
+    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &settings.bootstrap_servers)
+        .set("transactional.id", id)
+        .set("transaction.timeout.ms", "60000")
+        .create()
+        .expect("producer");
+    rdkafka::producer::Producer::init_transactions(&producer, Duration::from_secs(30))
+        .expect("init_transactions");
+    producer
+}
+
+/// Sends one record in an open transaction; where it was written.
+pub async fn send_in_transaction(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    key: &str,
+) -> quire_queue::MessageId {
+    rdkafka::producer::Producer::begin_transaction(producer).expect("begin");
+    let delivery = producer
+        .send(
+            rdkafka::producer::FutureRecord::to(topic)
+                .key(key)
+                .payload("{\"a\":1}"),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("delivered");
+    quire_queue::MessageId {
+        partition: delivery.partition,
+        offset: delivery.offset,
+    }
+}
+
 /// A message as an independent reader sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {

@@ -797,45 +797,6 @@ async fn while_kafka_is_away_publishing_is_503_at_once_and_the_api_recovers_alon
     drop(broker);
 }
 
-/// A transactional producer of the raw client, for transactions the test
-/// ends by hand (or leaves open).
-fn raw_transactional_producer(
-    settings: &quire_config::KafkaSettings,
-    id: &str,
-) -> rdkafka::producer::FutureProducer {
-    let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &settings.bootstrap_servers)
-        .set("transactional.id", id)
-        .set("transaction.timeout.ms", "60000")
-        .create()
-        .expect("producer");
-    rdkafka::producer::Producer::init_transactions(&producer, Duration::from_secs(30))
-        .expect("init_transactions");
-    producer
-}
-
-/// Sends one record in an open transaction; where it was written.
-async fn send_in_transaction(
-    producer: &rdkafka::producer::FutureProducer,
-    topic: &str,
-    key: &str,
-) -> quire_queue::MessageId {
-    rdkafka::producer::Producer::begin_transaction(producer).expect("begin");
-    let delivery = producer
-        .send(
-            rdkafka::producer::FutureRecord::to(topic)
-                .key(key)
-                .payload("{\"a\":1}"),
-            Duration::from_secs(30),
-        )
-        .await
-        .expect("delivered");
-    quire_queue::MessageId {
-        partition: delivery.partition,
-        offset: delivery.offset,
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_written() {
     let settings = quire_tests::kafka_settings();
@@ -848,24 +809,25 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
     let key = "settled-stream";
 
     // Committed, and aborted: settled at once.
-    let committed = raw_transactional_producer(&settings, &unique("settle-committed"));
-    let at = send_in_transaction(&committed, &topic.name, key).await;
+    let committed = quire_tests::raw_transactional_producer(&settings, &unique("settle-committed"));
+    let at = quire_tests::send_in_transaction(&committed, &topic.name, key).await;
     rdkafka::producer::Producer::commit_transaction(&committed, Duration::from_secs(30))
         .expect("commit");
     assert!(log.settle(key.as_bytes(), at).await.expect("settled"));
     // The same place under another key is not this request's message.
     assert!(!log.settle(b"another-stream", at).await.expect("settled"));
 
-    let aborted = raw_transactional_producer(&settings, &unique("settle-aborted"));
-    let at = send_in_transaction(&aborted, &topic.name, key).await;
+    let aborted = quire_tests::raw_transactional_producer(&settings, &unique("settle-aborted"));
+    let at = quire_tests::send_in_transaction(&aborted, &topic.name, key).await;
     rdkafka::producer::Producer::abort_transaction(&aborted, Duration::from_secs(30))
         .expect("abort");
     assert!(!log.settle(key.as_bytes(), at).await.expect("settled"));
 
     // Still open when the look-up starts: it waits for the end. Committed a
     // moment later...
-    let late_commit = raw_transactional_producer(&settings, &unique("settle-late-commit"));
-    let at = send_in_transaction(&late_commit, &topic.name, key).await;
+    let late_commit =
+        quire_tests::raw_transactional_producer(&settings, &unique("settle-late-commit"));
+    let at = quire_tests::send_in_transaction(&late_commit, &topic.name, key).await;
     let committer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(1));
         rdkafka::producer::Producer::commit_transaction(&late_commit, Duration::from_secs(30))
@@ -876,11 +838,11 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
 
     // ... or ended by fencing, as the API's replacement producer does.
     let id = unique("settle-fenced");
-    let fenced = raw_transactional_producer(&settings, &id);
-    let at = send_in_transaction(&fenced, &topic.name, key).await;
+    let fenced = quire_tests::raw_transactional_producer(&settings, &id);
+    let at = quire_tests::send_in_transaction(&fenced, &topic.name, key).await;
     let fencer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_secs(1));
-        raw_transactional_producer(&quire_tests::kafka_settings(), &id)
+        quire_tests::raw_transactional_producer(&quire_tests::kafka_settings(), &id)
     });
     assert!(!log.settle(key.as_bytes(), at).await.expect("settled"));
     drop(fencer.join().unwrap());

@@ -259,3 +259,94 @@ async fn a_fenced_session_restarts_by_itself_and_loses_or_doubles_nothing() {
     let (exit, _) = worker.terminate(Duration::from_secs(40));
     assert_eq!(exit, Some(0), "SIGTERM ends the worker cleanly");
 }
+
+/// A transaction no producer of quire will end (another program's, left
+/// open) holds its records partition back: the worker names the partition
+/// and the offset in `/readyz` and in `quire_worker_partition_stuck_seconds`
+/// once the last stable offset has stood still for longer than the
+/// transaction timeout, and forgets it once the transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_held_back_by_a_foreign_open_transaction_is_named_until_it_ends() {
+    let stack = TestStack::create("ops-stuck").await;
+    let mut settings = stack.worker_settings("ops-stuck");
+    settings.worker.statistics_interval_ms = 300;
+    // Stuck after 3 s unmoved, instead of the default 10.
+    settings.kafka.transaction_timeout_ms = 3000;
+    let worker = stack.start_worker_in_process(settings, Mode::Serve).await;
+    let base = worker.base_url();
+    let http = reqwest::Client::new();
+    wait_until(
+        &http,
+        &format!("{base}/readyz"),
+        "readiness",
+        |status, body| status == 200 && body.contains("\"ready\""),
+    )
+    .await;
+
+    // Another program's producer: its own transaction timeout is a minute.
+    let foreign = quire_tests::raw_transactional_producer(&stack.kafka, &unique("foreign"));
+    let at = quire_tests::send_in_transaction(&foreign, &stack.topics.records, "held-back").await;
+    let opened = Instant::now();
+    let (_, body) = wait_until(
+        &http,
+        &format!("{base}/readyz"),
+        "a stuck partition",
+        |status, body| status == 200 && body.contains("\"degraded\""),
+    )
+    .await;
+    let named = opened.elapsed();
+    let readiness: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let stuck = readiness["stuck_partitions"]
+        .as_array()
+        .expect("stuck_partitions");
+    assert_eq!(stuck.len(), 1, "{readiness}");
+    assert_eq!(stuck[0]["partition"], at.partition, "{readiness}");
+    assert_eq!(stuck[0]["last_stable_offset"], at.offset, "{readiness}");
+    assert!(
+        named >= Duration::from_secs(3),
+        "named stuck after {named:?}, before the transaction timeout"
+    );
+    let (_, text) = get(&http, &format!("{base}/metrics")).await;
+    let stuck_seconds = family(
+        &parse_exposition(&text),
+        "quire_worker_partition_stuck_seconds",
+    );
+    assert_eq!(
+        stuck_seconds.keys().collect::<Vec<_>>(),
+        vec![&format!("{{partition=\"{}\"}}", at.partition)],
+        "{text}"
+    );
+
+    // Once it ends (aborted here), the partition moves on and is forgotten.
+    tokio::task::spawn_blocking(move || {
+        rdkafka::producer::Producer::abort_transaction(&foreign, Duration::from_secs(30))
+            .expect("abort the foreign transaction")
+    })
+    .await
+    .unwrap();
+    wait_until(
+        &http,
+        &format!("{base}/readyz"),
+        "the partition moving on",
+        |status, body| {
+            status == 200 && body.contains("\"ready\"") && body.contains("\"stuck_partitions\":[]")
+        },
+    )
+    .await;
+    let (_, text) = get(&http, &format!("{base}/metrics")).await;
+    assert!(
+        family(
+            &parse_exposition(&text),
+            "quire_worker_partition_stuck_seconds"
+        )
+        .is_empty(),
+        "{text}"
+    );
+    quire_tests::figures(&format!(
+        "stuck partition: named in /readyz {named:?} after the foreign transaction opened (limit 3 s)"
+    ));
+    worker
+        .stop(Duration::from_secs(30))
+        .await
+        .expect("worker stops");
+}
