@@ -8,6 +8,7 @@ mod dashboard;
 mod faults;
 mod fencing;
 mod hanging;
+mod layering;
 mod memory;
 mod pipeline;
 mod queue;

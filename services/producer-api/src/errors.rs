@@ -275,7 +275,7 @@ impl ApiError {
             ApiError::Publish(QueueError::CommitOutcomeUnknown { .. }) => "publish_outcome_unknown",
             ApiError::Publish(QueueError::EnqueuerStopped) => "shutting_down",
             ApiError::Publish(_) => "publish_failed",
-            ApiError::Log(LogError::NotYetStable { .. }) => "report_not_yet_readable",
+            ApiError::Log(error) if error.is_not_yet_stable() => "report_not_yet_readable",
             ApiError::Log(_) => "kafka_unavailable",
             ApiError::Storage(StorageError::BadContinuation) => "invalid_query",
             ApiError::Storage(_) => "storage_unavailable",
@@ -373,7 +373,7 @@ pub struct ErrorCode(pub &'static str);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+    use quire_queue::{KafkaError, RDKafkaErrorCode};
 
     async fn body_of(error: ApiError) -> (StatusCode, Value) {
         let response = error.into_response();

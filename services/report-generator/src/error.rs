@@ -1,6 +1,6 @@
+use quire_queue::KafkaError;
 use quire_queue::QueueError;
 use quire_s3::WriterError;
-use rdkafka::error::KafkaError;
 
 /// What stops the worker. Records that cannot be rendered are not errors:
 /// they go to the dead-letter topic and the stream goes on.
@@ -17,6 +17,9 @@ pub enum WorkerError {
 
     #[error("kafka error: {0}")]
     Kafka(#[from] KafkaError),
+
+    #[error(transparent)]
+    Read(#[from] quire_queue::ReadError),
 
     #[error(
         "watermark partition {partition} still has an open transaction after {waited_ms} ms; is another worker stuck?"
@@ -60,7 +63,9 @@ impl WorkerError {
             // ObjectTooLarge would be a bug that a new session, which
             // renders from the log again, may well not meet.
             WorkerError::Writer(error) => matches!(error, WriterError::InvalidPolicy { .. }),
-            WorkerError::S3(_) | WorkerError::WatermarksUnstable { .. } => false,
+            WorkerError::S3(_) | WorkerError::WatermarksUnstable { .. } | WorkerError::Read(_) => {
+                false
+            }
             WorkerError::Kafka(error) => kafka_client_error_is_permanent(error),
             WorkerError::Config(_) => true,
             // A panic is a bug; a cancelled task only happens at shutdown.
@@ -85,7 +90,7 @@ impl WorkerError {
                 QueueError::TopicMismatch(_) | QueueError::ProtectedProperty { .. },
             )
             | WorkerError::Config(_) => "config",
-            WorkerError::Queue(_) | WorkerError::Kafka(_) => "kafka",
+            WorkerError::Queue(_) | WorkerError::Kafka(_) | WorkerError::Read(_) => "kafka",
             WorkerError::WatermarksUnstable { .. } => "watermarks-unstable",
             WorkerError::Writer(_) | WorkerError::S3(_) => "s3",
             WorkerError::Join(_) => "task",
@@ -121,7 +126,7 @@ fn kafka_client_error_is_permanent(error: &KafkaError) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use rdkafka::error::RDKafkaErrorCode;
+    use quire_queue::RDKafkaErrorCode;
 
     use super::*;
 

@@ -26,7 +26,7 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use quire_config::{Settings, WorkerSettings};
 
 use quire_queue::QueueError;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use quire_queue::{KafkaError, RDKafkaErrorCode};
 
 use crate::error::Recovery;
 use crate::monitoring::{Monitor, SessionState};

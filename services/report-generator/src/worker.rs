@@ -605,7 +605,7 @@ impl Worker {
         &mut self,
         outbox: Outbox,
         refused_since: Option<Instant>,
-        error: rdkafka::error::KafkaError,
+        error: quire_queue::KafkaError,
     ) -> Result<(), WorkerError> {
         let since = refused_since.unwrap_or_else(Instant::now);
         let limit =

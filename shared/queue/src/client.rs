@@ -157,6 +157,35 @@ pub(crate) fn consumer_config(
     Ok(config)
 }
 
+/// A partition reader's configuration (see `reader.rs`): assign-only, no
+/// commits, partition EOF events, `isolation_level` as asked.
+pub(crate) fn reader_config(
+    settings: &KafkaSettings,
+    group_id: &str,
+    isolation_level: &str,
+    small_fetches: bool,
+) -> Result<ClientConfig, QueueError> {
+    let mut config = base_config(settings)?;
+    config
+        .set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("isolation.level", isolation_level)
+        .set("enable.partition.eof", "true")
+        // The end of a short partition is known at once, and a fetch left
+        // waiting there by the previous read does not delay the next, not
+        // after the broker's default 500 ms wait for more data.
+        .set("fetch.wait.max.ms", "10");
+    if small_fetches {
+        // One message is read per look-up: do not prefetch megabytes after
+        // it (the broker still returns a whole batch that is larger).
+        config
+            .set("max.partition.fetch.bytes", "65536")
+            .set("queued.max.messages.kbytes", "1024");
+    }
+    Ok(config)
+}
+
 fn set_default(config: &mut ClientConfig, key: &str, value: &str) {
     if config.get(key).is_none() {
         config.set(key, value);

@@ -505,7 +505,10 @@ fn offset_list(
     Ok(list)
 }
 
-fn owned(topic: &Arc<str>, message: &rdkafka::message::BorrowedMessage<'_>) -> InMessage {
+pub(crate) fn owned(
+    topic: &Arc<str>,
+    message: &rdkafka::message::BorrowedMessage<'_>,
+) -> InMessage {
     let headers = message
         .headers()
         .map(|headers| {

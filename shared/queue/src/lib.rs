@@ -26,6 +26,7 @@ mod error;
 mod group_commit;
 mod message;
 mod producer;
+mod reader;
 
 pub use admin::{
     TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics, design_topics, ensure_topics,
@@ -40,7 +41,10 @@ pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
 pub use producer::{ProducerOptions, ProducerStatistics, Release, TransactionalProducer};
+pub use reader::{PartitionReader, ReadError, ReaderOptions};
 
-/// Re-exported so callers can read librdkafka's statistics without naming
-/// the rdkafka version themselves.
+/// Re-exported so callers can read librdkafka's statistics, and match the
+/// errors inside [`QueueError`], without depending on rdkafka themselves:
+/// only quire-queue links it.
+pub use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 pub use rdkafka::statistics::Statistics;
