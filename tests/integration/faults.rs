@@ -500,14 +500,12 @@ fn records_message(
     )
 }
 
+/// A record as the API writes it (`quire_messages::records`).
 fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
     let record = &records(stream, seq, 1)[0];
-    records_message(
-        topic,
-        stream,
-        &serde_json::to_vec(record).unwrap(),
-        &[(HEADER_KIND, "record"), (HEADER_VERSION, "1")],
-    )
+    let stream = quire_messages::StreamName::new(stream).unwrap();
+    let message = quire_messages::records::record(&stream, &serde_json::to_vec(record).unwrap());
+    OutMessage::from_parts(topic, message.key, message.payload, message.headers, None)
 }
 
 /// The dead letters of the test's topic, by key, with their bodies.

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use quire_s3::{LifecycleOutcome, RETENTION_PREFIXES, Retention};
+use quire_messages::layout::RETENTION_PREFIXES;
+use quire_s3::{LifecycleOutcome, Retention};
 use quire_tests::pipeline::{ApiProcess, Report, TestStack, records};
 use quire_tests::s3::TestBucket;
 use serde_json::{Value, json};
@@ -429,6 +430,7 @@ async fn without_lifecycle_rules_retention_falls_back_to_a_sweep_that_stops_when
             // One sweep at start, then a long wait the stop flag ends.
             sweep_every: Duration::from_secs(3600),
         },
+        &RETENTION_PREFIXES,
         Arc::clone(&stop),
     );
     let deadline = Instant::now() + Duration::from_secs(30);

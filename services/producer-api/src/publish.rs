@@ -11,7 +11,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use quire_config::{ApiSettings, KafkaSettings};
-use quire_messages::{CURRENT_VERSION, HEADER_KIND, HEADER_VERSION, MessageKind, StreamName};
+use quire_messages::{MessageKind, StreamName, records};
 use quire_queue::{
     ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, ProducerOptions, QueueError, Release,
     TransactionObserver, TransactionalProducer,
@@ -61,7 +61,6 @@ pub struct Publisher {
 #[derive(Debug, Clone)]
 pub struct RecordsTopic {
     topic: String,
-    version_header: Vec<u8>,
 }
 
 /// `{transactional_id_prefix}-{replica_id}-{n}`: stable per replica, so a
@@ -302,17 +301,12 @@ impl RecordsTopic {
     pub fn new(topic: &str) -> Self {
         RecordsTopic {
             topic: topic.to_owned(),
-            version_header: CURRENT_VERSION.to_string().into_bytes(),
         }
     }
 
     /// A record: its exact JSON text, keyed by its stream.
     pub fn record_message(&self, stream: &StreamName, record: &RawValue) -> OutMessage {
-        self.message(
-            MessageKind::Record,
-            stream,
-            record.get().as_bytes().to_vec(),
-        )
+        self.on_topic(records::record(stream, record.get().as_bytes()))
     }
 
     /// A control message (cut marker, definition) on the stream's key, so it
@@ -324,40 +318,25 @@ impl RecordsTopic {
         body: Vec<u8>,
     ) -> OutMessage {
         debug_assert_ne!(kind, MessageKind::Record);
-        self.message(kind, stream, body)
+        self.on_topic(records::control(kind, stream, body))
     }
 
-    /// One release message for each of `partitions` (see
-    /// [`Publisher::spawn_releaser`]): no key, no stream, skipped by workers.
+    /// One release message for each of `partitions` (see [`Release`]): no
+    /// key, no stream, skipped by workers.
     pub fn release_messages(&self, partitions: i32) -> Vec<OutMessage> {
         (0..partitions)
-            .map(|partition| OutMessage {
-                topic: self.topic.clone(),
-                key: None,
-                payload: format!("{{\"v\":{CURRENT_VERSION}}}").into_bytes(),
-                headers: vec![
-                    (
-                        HEADER_KIND.to_owned(),
-                        MessageKind::Release.as_header().as_bytes().to_vec(),
-                    ),
-                    (HEADER_VERSION.to_owned(), self.version_header.clone()),
-                ],
-                partition: Some(partition),
-            })
+            .map(|partition| self.on_topic(records::release(partition)))
             .collect()
     }
 
-    fn message(&self, kind: MessageKind, stream: &StreamName, payload: Vec<u8>) -> OutMessage {
-        OutMessage {
-            topic: self.topic.clone(),
-            key: Some(stream.as_str().as_bytes().to_vec()),
-            payload,
-            headers: vec![
-                (HEADER_KIND.to_owned(), kind.as_header().as_bytes().to_vec()),
-                (HEADER_VERSION.to_owned(), self.version_header.clone()),
-            ],
-            partition: None,
-        }
+    fn on_topic(&self, message: records::LogMessage) -> OutMessage {
+        OutMessage::from_parts(
+            &self.topic,
+            message.key,
+            message.payload,
+            message.headers,
+            message.partition,
+        )
     }
 }
 

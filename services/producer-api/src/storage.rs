@@ -10,7 +10,8 @@ use aws_sdk_s3::Client;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
-use quire_messages::{Manifest, ReportId, StreamName};
+use quire_messages::layout;
+use quire_messages::{Manifest, ReportId};
 
 /// What an S3 call of the API can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -58,10 +59,7 @@ pub struct Storage {
     bucket: String,
 }
 
-/// Where the API keeps the readable copy of a stream's definition.
-pub fn definition_key(stream: &StreamName) -> String {
-    format!("definitions/{stream}.json")
-}
+pub use quire_messages::layout::definition_key;
 
 impl Storage {
     pub fn new(client: Client, bucket: String) -> Self {
@@ -74,7 +72,7 @@ impl Storage {
 
     /// The manifest of a completed report, or None while there is none.
     pub async fn manifest(&self, id: &ReportId) -> Result<Option<Manifest>, StorageError> {
-        let key = id.manifest_key();
+        let key = layout::manifest_key(id);
         let Some(bytes) = self.get_small(&key).await? else {
             return Ok(None);
         };
@@ -129,7 +127,7 @@ impl Storage {
             .put_object()
             .bucket(&self.bucket)
             .key(key)
-            .content_type("application/json")
+            .content_type(layout::JSON_CONTENT_TYPE)
             .body(ByteStream::from(body))
             .send()
             .await

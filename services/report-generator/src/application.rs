@@ -75,7 +75,12 @@ impl Application {
         // Report retention (s3.report_retention_days): a bucket lifecycle
         // rule where the server has them, else a periodic sweep. It only
         // logs errors, and ends on the stop flag.
-        let retention = quire_s3::start_retention(&self.settings.s3, Arc::clone(&stop)).await;
+        let retention = quire_s3::start_retention(
+            &self.settings.s3,
+            &quire_messages::layout::RETENTION_PREFIXES,
+            Arc::clone(&stop),
+        )
+        .await;
         let summary = supervisor::run(&self.settings, self.mode, &stop, &self.monitor).await;
         // A drain ends without the shutdown future: stop what runs beside.
         stop.store(true, Ordering::Release);

@@ -12,6 +12,7 @@ use std::time::Instant;
 use flate2::Compression;
 use flate2::GzBuilder;
 use flate2::write::GzEncoder;
+use quire_messages::layout;
 use quire_messages::{CURRENT_VERSION, Definition, Manifest, ReportId, StreamName, Trigger};
 use std::sync::Arc;
 
@@ -192,10 +193,11 @@ impl OpenDocument {
         first_offset: i64,
         definition: &Definition,
     ) -> Result<Self, WorkerError> {
-        let key = quire_messages::report_key(stream, partition, first_offset, definition.gzip);
+        let key = layout::report_key(stream, partition, first_offset, definition.gzip);
         let renderer = DocumentRenderer::new(definition);
         let mut encoding = Encoding::for_definition(definition, bucket.memory());
-        let mut writer = bucket.writer(key, policy)?;
+        let content_type = layout::content_type_for_key(&key);
+        let mut writer = bucket.typed_writer(key, content_type, policy)?;
         let mut scratch = Vec::with_capacity(4096);
         renderer.start(&mut scratch, stream.as_str(), partition, first_offset);
         write_xml(&mut encoding, &mut writer, &scratch).await?;
@@ -383,9 +385,9 @@ pub fn memory_pool(
 /// manifest is far below one part).
 async fn put_manifest(bucket: &S3Bucket, manifest: &Manifest) -> Result<(), WorkerError> {
     let body = serde_json::to_vec_pretty(manifest).expect("manifests serialise");
-    let key = manifest.report_id.manifest_key();
+    let key = layout::manifest_key(&manifest.report_id);
     let policy = UploadPolicy::for_max_object_size(body.len() as u64);
-    let mut writer = bucket.writer(key, &policy)?;
+    let mut writer = bucket.typed_writer(key, Some(layout::JSON_CONTENT_TYPE), &policy)?;
     writer.append(&body).await?;
     writer.finish().await?;
     Ok(())

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
-use quire_messages::{HEADER_KIND, MessageKind, StreamName, Watermark};
+use quire_messages::{HEADER_KIND, StreamName, Watermark, records};
 use quire_queue::{InMessage, PartitionReader, ReadError, ReaderOptions};
 
 use crate::WorkerError;
@@ -105,11 +105,7 @@ fn apply(
 
 /// A worker producer's release message (see `worker::release_messages`).
 fn is_release(message: &InMessage) -> bool {
-    message
-        .header(HEADER_KIND)
-        .and_then(MessageKind::from_header)
-        == Some(MessageKind::Release)
-        || message.key.as_deref() == Some(crate::worker::RELEASE_KEY.as_bytes())
+    records::is_release(message.header(HEADER_KIND), message.key.as_deref())
 }
 
 /// A partition that stays unstable is the worker's own error (another worker

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use quire_config::{Settings, TopicNames, WorkerSettings};
 use quire_messages::{
-    CURRENT_VERSION, CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind,
-    ReportEvent, ReportEventKind, ReportId, StreamName, Trigger,
+    CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, ReportEvent,
+    ReportId, StreamName, Trigger,
 };
+use quire_messages::{layout, records};
 use quire_queue::{
     Array, ArrayConsumer, ConsumerOptions, InMessage, OutMessage, ProducerOptions, QueueError,
     RebalanceEvent, Release, TopicSpec, TransactionalProducer,
@@ -179,31 +180,31 @@ pub struct Worker {
 /// release` and skipped; the watermark one has a key no stream can have,
 /// because a compacted topic refuses messages without a key.
 fn release_messages(topics: &TopicNames, specs: &[TopicSpec]) -> Vec<OutMessage> {
-    let payload = format!("{{\"v\":{CURRENT_VERSION}}}").into_bytes();
     let partitions = |topic: &str| {
         specs
             .iter()
             .find(|spec| spec.name == topic)
             .map_or(0, |spec| spec.partitions)
     };
-    let release = |topic: &str, key: Option<&[u8]>, partition: i32| {
-        OutMessage::new(topic, key.map(<[u8]>::to_vec), payload.clone())
-            .with_header(HEADER_KIND, MessageKind::Release.as_header())
-            .with_header(HEADER_VERSION, CURRENT_VERSION.to_string())
-            .to_partition(partition)
-    };
     (0..partitions(&topics.records))
-        .map(|partition| release(&topics.records, None, partition))
+        .map(|partition| on_topic(&topics.records, records::release(partition)))
         .chain(
-            (0..partitions(&topics.watermarks)).map(|partition| {
-                release(&topics.watermarks, Some(RELEASE_KEY.as_bytes()), partition)
-            }),
+            (0..partitions(&topics.watermarks))
+                .map(|partition| on_topic(&topics.watermarks, records::keyed_release(partition))),
         )
         .collect()
 }
 
-/// The key of the watermark topic's release messages: not a stream name.
-pub(crate) const RELEASE_KEY: &str = "quire:release";
+/// A message of quire's format (`quire_messages::records`) on `topic`.
+fn on_topic(topic: &str, message: records::LogMessage) -> OutMessage {
+    OutMessage::from_parts(
+        topic,
+        message.key,
+        message.payload,
+        message.headers,
+        message.partition,
+    )
+}
 
 impl Worker {
     /// Checks the topics, connects the transactional producer (fencing an
@@ -490,17 +491,13 @@ impl Worker {
         let mut watermarks =
             tokio::task::spawn_blocking(move || crate::watermarks::load(&kafka, &topic, &wanted))
                 .await??;
-        let file_prefixes: Vec<String> = partitions
-            .iter()
-            .map(|partition| format!("{partition:05}-"))
-            .collect();
         let aborted = self
             .context
             .bucket
-            .abort_pending_uploads_where("reports/", |key| {
-                key.rsplit('/')
-                    .next()
-                    .is_some_and(|file| file_prefixes.iter().any(|prefix| file.starts_with(prefix)))
+            .abort_pending_uploads_where(layout::REPORTS_PREFIX, |key| {
+                partitions
+                    .iter()
+                    .any(|&partition| layout::report_key_belongs_to(key, partition))
             })
             .await?;
         for &partition in partitions {
@@ -706,9 +703,7 @@ async fn process_message(
     message: &InMessage,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
-    let kind = message
-        .header(HEADER_KIND)
-        .and_then(MessageKind::from_header);
+    let kind = records::kind_of(message.header(HEADER_KIND));
     let stream = message
         .key
         .as_deref()
@@ -776,7 +771,7 @@ async fn process_message(
             if state.already_reported(&stream, message.offset) {
                 return Ok(());
             }
-            if let Some(reason) = newer_record_version(message) {
+            if let Some(reason) = records::unreadable_version(message.header(HEADER_VERSION)) {
                 // Refused by name, never misread as the version we know.
                 return dead_letter(context, message, &reason, outbox);
             }
@@ -965,21 +960,7 @@ async fn complete_document(
         .complete(&context.bucket, &report_id, cut_time_ms, trigger)
         .await?;
     tracing::info!(report = %report_id, records = manifest.records, bytes = manifest.bytes, trigger = ?trigger, "report completed");
-    let event = ReportEvent {
-        v: CURRENT_VERSION,
-        kind: ReportEventKind::Completed,
-        report_id,
-        stream: stream.clone(),
-        key: manifest.key,
-        partition: manifest.partition,
-        first_offset: manifest.first_offset,
-        last_offset: manifest.last_offset,
-        records: manifest.records,
-        bytes: manifest.bytes,
-        sha256: manifest.sha256,
-        trigger: manifest.trigger,
-        reason: None,
-    };
+    let event = ReportEvent::completed(&manifest);
     outbox.messages.push(OutMessage::new(
         &context.topics.report_events,
         Some(stream.as_str().as_bytes().to_vec()),
@@ -1008,26 +989,6 @@ async fn open_document(
         &definition,
     )
     .await
-}
-
-/// Why a record's `quire-v` header is one this release cannot read (newer
-/// than ours, or not a number); `None` for ours, older ones and no header
-/// (records written before the header existed).
-fn newer_record_version(message: &InMessage) -> Option<String> {
-    let header = message.header(HEADER_VERSION)?;
-    match std::str::from_utf8(header)
-        .ok()
-        .and_then(|text| text.trim().parse::<u32>().ok())
-    {
-        Some(version) if version <= CURRENT_VERSION => None,
-        Some(version) => Some(format!(
-            "record has version {version}, newer than this release reads ({CURRENT_VERSION}); upgrade the report generator"
-        )),
-        None => Some(format!(
-            "record has an unreadable {HEADER_VERSION} header: {:?}",
-            String::from_utf8_lossy(header)
-        )),
-    }
 }
 
 /// The partitions assigned by `events` (in order) that no later event of
@@ -1088,15 +1049,13 @@ fn request_cut(
         return;
     }
     document.cut_requested = Some(trigger);
-    outbox.messages.push(
-        OutMessage::new(
-            &topics.records,
-            Some(document.stream.as_str().as_bytes().to_vec()),
-            quire_messages::encode(&CutMarker::rollover(trigger, document.first_offset)),
-        )
-        .with_header(HEADER_KIND, MessageKind::Cut.as_header())
-        .to_partition(document.partition),
+    let marker = records::cut(
+        &document.stream,
+        &CutMarker::rollover(trigger, document.first_offset),
     );
+    outbox
+        .messages
+        .push(on_topic(&topics.records, marker).to_partition(document.partition));
 }
 
 fn dead_letter(
@@ -1135,21 +1094,6 @@ fn dead_letter(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn record_with_version(version: Option<&str>) -> InMessage {
-        InMessage {
-            topic: "quire.records".into(),
-            partition: 0,
-            offset: 7,
-            key: Some(b"orders".to_vec()),
-            payload: Some(br#"{"a":1}"#.to_vec()),
-            headers: version
-                .map(|version| (HEADER_VERSION.to_owned(), version.as_bytes().to_vec()))
-                .into_iter()
-                .collect(),
-            timestamp_ms: None,
-        }
-    }
 
     #[test]
     fn a_refused_outbox_forgets_what_a_revoked_partition_put_in_it() {
@@ -1203,19 +1147,5 @@ mod tests {
             "revoked then given back: taken again"
         );
         assert!(still_assigned_after(&[revoked(&[4])]).is_empty());
-    }
-
-    #[test]
-    fn a_record_of_a_newer_version_is_refused_by_name() {
-        assert_eq!(newer_record_version(&record_with_version(None)), None);
-        assert_eq!(
-            newer_record_version(&record_with_version(Some(&CURRENT_VERSION.to_string()))),
-            None
-        );
-        let newer = (CURRENT_VERSION + 1).to_string();
-        let reason = newer_record_version(&record_with_version(Some(&newer))).unwrap();
-        assert!(reason.contains(&format!("version {newer}")), "{reason}");
-        let reason = newer_record_version(&record_with_version(Some("two"))).unwrap();
-        assert!(reason.contains("unreadable quire-v header"), "{reason}");
     }
 }

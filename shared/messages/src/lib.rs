@@ -10,7 +10,8 @@
 //! stored raises their version instead, only on the definitions that use it:
 //! a definition with `gzip` is version 2, one without stays version 1.
 //!
-//! The log `quire.records` holds, per stream key, in order:
+//! The log `quire.records` holds, per stream key, in order (built and told
+//! apart by [`records`]; the bucket's keys are in [`layout`]):
 //! - records: the JSON object exactly as the producer sent it (header
 //!   `quire-kind: record`);
 //! - cut markers ([`CutMarker`], `quire-kind: cut`);
@@ -19,7 +20,9 @@
 //! Everything that decides a document's content is in that log.
 
 mod definition;
+pub mod layout;
 mod names;
+pub mod records;
 mod report;
 
 use serde::{Deserialize, Serialize};
@@ -28,10 +31,7 @@ pub use definition::{
     Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
     is_xml_name_start_char,
 };
-pub use names::{
-    GZIP_CONTENT_TYPE, ReportId, StreamName, StreamNameError, XML_CONTENT_TYPE,
-    report_content_type, report_key,
-};
+pub use names::{ReportId, StreamName, StreamNameError};
 pub use report::{DeadLetter, Manifest, ReportEvent, ReportEventKind, Trigger, Watermark};
 
 /// The version this release writes.

@@ -125,43 +125,6 @@ impl<'de> Deserialize<'de> for ReportId {
     }
 }
 
-impl ReportId {
-    /// Where the report's manifest lives in the bucket.
-    pub fn manifest_key(&self) -> String {
-        format!("manifests/{self}.json")
-    }
-
-    /// The prefix under which a stream's manifests are listed.
-    pub fn manifest_prefix(stream: &StreamName) -> String {
-        format!("manifests/{stream}~")
-    }
-}
-
-/// A document's S3 key, fixed when it opens:
-/// `reports/{stream}/{partition}-{first_offset}.xml` (zero-padded so keys
-/// sort in log order), `.xml.gz` when the definition asks for gzip.
-pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: bool) -> String {
-    let extension = if gzip { "xml.gz" } else { "xml" };
-    format!("reports/{stream}/{partition:05}-{first_offset:020}.{extension}")
-}
-
-/// The media type of a plain report.
-pub const XML_CONTENT_TYPE: &str = "application/xml";
-/// The media type of a gzip-compressed report: the object is the gzip file
-/// itself (not XML with a `Content-Encoding`), so what a client downloads is
-/// byte for byte what the manifest's SHA-256 covers, whatever its HTTP stack
-/// decodes on its own.
-pub const GZIP_CONTENT_TYPE: &str = "application/gzip";
-
-/// The media type a report is stored and served with, from its key.
-pub fn report_content_type(key: &str) -> &'static str {
-    if key.ends_with(".gz") {
-        GZIP_CONTENT_TYPE
-    } else {
-        XML_CONTENT_TYPE
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,7 +157,6 @@ mod tests {
         };
         assert_eq!(id.to_string(), "orders~3-1042");
         assert_eq!("orders~3-1042".parse::<ReportId>(), Ok(id.clone()));
-        assert_eq!(id.manifest_key(), "manifests/orders~3-1042.json");
         for bad in [
             "",
             "3-1",
@@ -209,25 +171,5 @@ mod tests {
         ] {
             assert!(bad.parse::<ReportId>().is_err(), "{bad:?} parsed");
         }
-    }
-
-    #[test]
-    fn report_keys_sort_in_log_order() {
-        let stream = StreamName::new("orders").unwrap();
-        assert_eq!(
-            report_key(&stream, 3, 42, false),
-            "reports/orders/00003-00000000000000000042.xml"
-        );
-        assert!(report_key(&stream, 3, 9, false) < report_key(&stream, 3, 10, false));
-        let compressed = report_key(&stream, 3, 9, true);
-        assert_eq!(
-            compressed,
-            "reports/orders/00003-00000000000000000009.xml.gz"
-        );
-        assert_eq!(report_content_type(&compressed), GZIP_CONTENT_TYPE);
-        assert_eq!(
-            report_content_type(&report_key(&stream, 3, 9, false)),
-            XML_CONTENT_TYPE
-        );
     }
 }

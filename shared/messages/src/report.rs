@@ -51,6 +51,28 @@ pub struct ReportEvent {
     pub reason: Option<String>,
 }
 
+impl ReportEvent {
+    /// The `report.completed` event of the report `manifest` describes: the
+    /// one place an event is made from a manifest.
+    pub fn completed(manifest: &Manifest) -> Self {
+        ReportEvent {
+            v: crate::CURRENT_VERSION,
+            kind: ReportEventKind::Completed,
+            report_id: manifest.report_id.clone(),
+            stream: manifest.stream.clone(),
+            key: manifest.key.clone(),
+            partition: manifest.partition,
+            first_offset: manifest.first_offset,
+            last_offset: manifest.last_offset,
+            records: manifest.records,
+            bytes: manifest.bytes,
+            sha256: manifest.sha256.clone(),
+            trigger: manifest.trigger,
+            reason: None,
+        }
+    }
+}
+
 /// The value of a stream's key on `quire.watermarks` (compacted, partition p
 /// belongs to record partition p): how far the stream is reported, and the
 /// definition in force where its partition's committed offset stands.

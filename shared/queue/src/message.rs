@@ -25,6 +25,23 @@ impl OutMessage {
         }
     }
 
+    /// Every field at once (a message another crate built, topic-free).
+    pub fn from_parts(
+        topic: impl Into<String>,
+        key: Option<Vec<u8>>,
+        payload: Vec<u8>,
+        headers: Vec<(String, Vec<u8>)>,
+        partition: Option<i32>,
+    ) -> Self {
+        OutMessage {
+            topic: topic.into(),
+            key,
+            payload,
+            headers,
+            partition,
+        }
+    }
+
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
         self.headers.push((name.into(), value.into()));
         self

@@ -32,6 +32,8 @@ pub(crate) struct UploadTarget {
     pub client: Client,
     pub bucket: String,
     pub key: String,
+    /// Stored with the object; `None`: the server's default.
+    pub content_type: Option<String>,
     pub retry: RetryPolicy,
     pub counters: Arc<WriterCounters>,
     /// Whether SigV4 signs the bodies of parts and single puts.
@@ -48,6 +50,7 @@ impl UploadTarget {
         client: Client,
         bucket: String,
         key: String,
+        content_type: Option<String>,
         retry: RetryPolicy,
         attempt_timeout: Duration,
         sign_payload: bool,
@@ -63,6 +66,7 @@ impl UploadTarget {
             client,
             bucket,
             key,
+            content_type,
             retry,
             counters,
             sign_payload,
@@ -100,7 +104,7 @@ impl UploadTarget {
                 .create_multipart_upload()
                 .bucket(&self.bucket)
                 .key(&self.key)
-                .set_content_type(content_type_for_key(&self.key).map(str::to_owned))
+                .set_content_type(self.content_type.clone())
                 .customize()
                 .config_override(self.call_settings())
                 .send()
@@ -183,7 +187,7 @@ impl UploadTarget {
                 .put_object()
                 .bucket(&self.bucket)
                 .key(&self.key)
-                .set_content_type(content_type_for_key(&self.key).map(str::to_owned))
+                .set_content_type(self.content_type.clone())
                 .content_length(document.len() as i64)
                 .body(ByteStream::from(document.clone()))
                 .customize()
@@ -251,21 +255,6 @@ impl UploadTarget {
             tracing::info!(bucket = %self.bucket, key = %self.key, upload_id, reason, "multipart upload was already gone");
         }
         Ok(())
-    }
-}
-
-/// The Content-Type an object is stored with, from its key's extension (a
-/// report's `.xml` or `.xml.gz`, a manifest's `.json`); other keys get the
-/// server's default. A gzip report is the gzip file itself, not XML with a
-/// `Content-Encoding`: a download is byte for byte what its manifest's
-/// SHA-256 covers.
-pub(crate) fn content_type_for_key(key: &str) -> Option<&'static str> {
-    let (_, extension) = key.rsplit_once('.')?;
-    match extension {
-        "gz" => Some("application/gzip"),
-        "xml" => Some("application/xml"),
-        "json" => Some("application/json"),
-        _ => None,
     }
 }
 
@@ -541,28 +530,5 @@ pub(crate) fn is_retryable<E: ProvideErrorMetadata>(error: &SdkError<E, HttpResp
                     .is_some_and(|code| RETRYABLE_ERROR_CODES.contains(&code))
         }
         _ => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn objects_are_stored_with_the_content_type_of_their_extension() {
-        assert_eq!(
-            content_type_for_key("reports/orders/00003-00000000000000000009.xml.gz"),
-            Some("application/gzip")
-        );
-        assert_eq!(
-            content_type_for_key("reports/orders.eu/00003-00000000000000000009.xml"),
-            Some("application/xml")
-        );
-        assert_eq!(
-            content_type_for_key("manifests/orders~3-9.json"),
-            Some("application/json")
-        );
-        assert_eq!(content_type_for_key("bench/a.b/object"), None);
-        assert_eq!(content_type_for_key("object"), None);
     }
 }

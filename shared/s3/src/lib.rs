@@ -40,8 +40,8 @@ pub use policy::{
     UploadPolicy, part_size_for,
 };
 pub use retention::{
-    ExpiredObjects, LIFECYCLE_RULE_ID_PREFIX, LifecycleOutcome, RETENTION_PREFIXES, Retention,
-    spawn_retention, start_retention,
+    ExpiredObjects, LIFECYCLE_RULE_ID_PREFIX, LifecycleOutcome, Retention, spawn_retention,
+    start_retention,
 };
 pub use sweep::{PendingUpload, S3Bucket};
 pub use writer::{MultipartWriter, WrittenObject};

@@ -1,4 +1,5 @@
-//! Report retention: reports (`reports/`) and their manifests (`manifests/`)
+//! Report retention: the objects under the caller's prefixes (quire's
+//! reports and their manifests: `quire_messages::layout::RETENTION_PREFIXES`)
 //! are deleted once older than `s3.report_retention_days`.
 //!
 //! The server does it best: at start-up the worker puts bucket lifecycle
@@ -32,10 +33,6 @@ use crate::calls::{CallLabel, call_settings_without_retries, with_retries};
 use crate::error::WriterError;
 use crate::policy::RetryPolicy;
 use crate::sweep::S3Bucket;
-
-/// What retention deletes, in the order it deletes: a report before its
-/// manifest.
-pub const RETENTION_PREFIXES: [&str; 2] = ["reports/", "manifests/"];
 
 /// Ids of the lifecycle rules this module owns start with this.
 pub const LIFECYCLE_RULE_ID_PREFIX: &str = "quire-retention-";
@@ -447,11 +444,15 @@ fn is_unsupported<E: ProvideErrorMetadata>(
 /// the lifecycle rules, or retention is off). Failures are logged, never
 /// fatal: a sweep that fails is tried again at the next interval.
 ///
-/// The report generator calls it once at start-up:
-/// `let retention = quire_s3::start_retention(&settings.s3, Arc::clone(&stop)).await;`
-pub async fn start_retention(settings: &S3Settings, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+/// `prefixes` are deleted in their order (quire's: a report before its
+/// manifest). The report generator calls it once at start-up.
+pub async fn start_retention(
+    settings: &S3Settings,
+    prefixes: &'static [&'static str],
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<()> {
     let bucket = S3Bucket::new(crate::build_client(settings).await, &settings.bucket);
-    spawn_retention(bucket, Retention::from_settings(settings), stop)
+    spawn_retention(bucket, Retention::from_settings(settings), prefixes, stop)
 }
 
 /// [`start_retention`] on a bucket handle and a [`Retention`] of any length
@@ -459,6 +460,7 @@ pub async fn start_retention(settings: &S3Settings, stop: Arc<AtomicBool>) -> Jo
 pub fn spawn_retention(
     bucket: S3Bucket,
     retention: Retention,
+    prefixes: &'static [&'static str],
     stop: Arc<AtomicBool>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
@@ -478,7 +480,7 @@ pub fn spawn_retention(
         };
         let days = Retention::lifecycle_days(keep_for);
         match bucket
-            .put_expiration_rules(&RETENTION_PREFIXES, days.unsigned_abs())
+            .put_expiration_rules(prefixes, days.unsigned_abs())
             .await
         {
             Ok(LifecycleOutcome::Applied) => {
@@ -494,7 +496,7 @@ pub fn spawn_retention(
         }
         while !stop.load(Ordering::Acquire) {
             match bucket
-                .expire_older_than_until(&RETENTION_PREFIXES, keep_for, Some(&stop))
+                .expire_older_than_until(prefixes, keep_for, Some(&stop))
                 .await
             {
                 Ok(swept) => {

@@ -74,17 +74,29 @@ impl S3Bucket {
         &self.counters
     }
 
-    /// A writer for one document at `key`, under `policy`. Nothing is sent to
-    /// S3 until the first part is full (or `finish()`).
+    /// A writer for one document at `key`, under `policy`, stored with the
+    /// server's default content type. Nothing is sent to S3 until the first
+    /// part is full (or `finish()`).
     pub fn writer(
         &self,
         key: impl Into<String>,
+        policy: &UploadPolicy,
+    ) -> Result<MultipartWriter, WriterError> {
+        self.typed_writer(key, None, policy)
+    }
+
+    /// [`writer`](Self::writer), the object stored with `content_type`.
+    pub fn typed_writer(
+        &self,
+        key: impl Into<String>,
+        content_type: Option<&str>,
         policy: &UploadPolicy,
     ) -> Result<MultipartWriter, WriterError> {
         MultipartWriter::new(
             self.client.clone(),
             self.name.clone(),
             key.into(),
+            content_type.map(str::to_owned),
             policy,
             self.counters.clone(),
             self.memory.clone(),

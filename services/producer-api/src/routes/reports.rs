@@ -147,7 +147,7 @@ pub async fn get_report_content(
     // A gzip report is served as the gzip file it is (`application/gzip`,
     // no Content-Encoding), so clients that decode Content-Encoding on their
     // own still receive the bytes the manifest's SHA-256 covers.
-    let content_type = quire_messages::report_content_type(&manifest.key);
+    let content_type = quire_messages::layout::report_content_type(&manifest.key);
     let chunks = futures::stream::unfold(object.body, |mut body| async move {
         body.next().await.map(|chunk| (chunk, body))
     });
@@ -205,7 +205,7 @@ pub async fn list_reports(
             "limit is {limit}; it must be between 1 and {MAX_PAGE}"
         )));
     }
-    let prefix = ReportId::manifest_prefix(&stream);
+    let prefix = quire_messages::layout::manifest_prefix(&stream);
     let page = state
         .storage
         .list_keys(&prefix, limit as i32, query.continuation)

@@ -1,0 +1,179 @@
+//! The records topic's message format, in one place: how each kind of
+//! message is built (key, `quire-kind` and `quire-v` headers, payload) and
+//! how a reader tells them apart. Topic-free: the services put these on
+//! their topic.
+//!
+//! | kind | key | payload |
+//! | --- | --- | --- |
+//! | `record` | the stream | the producer's JSON object, byte for byte |
+//! | `cut` | the stream | a [`CutMarker`] |
+//! | `definition` | the stream | a [`Definition`] |
+//! | `release` | none (records) or [`RELEASE_KEY`] (compacted topics) | `{"v":1}` |
+//!
+//! Every message carries `quire-v: CURRENT_VERSION`; a reader refuses a
+//! newer one ([`unreadable_version`]), never misreads it.
+
+use crate::{
+    CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, StreamName,
+};
+
+/// The key of release messages on a compacted topic (which refuses
+/// keyless messages): no stream can have it.
+pub const RELEASE_KEY: &str = "quire:release";
+
+/// One message as quire writes it, without its topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogMessage {
+    pub key: Option<Vec<u8>>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub payload: Vec<u8>,
+    /// Set for release messages (one per partition); else the key decides.
+    pub partition: Option<i32>,
+}
+
+fn headers(kind: MessageKind) -> Vec<(String, Vec<u8>)> {
+    vec![
+        (HEADER_KIND.to_owned(), kind.as_header().as_bytes().to_vec()),
+        (
+            HEADER_VERSION.to_owned(),
+            CURRENT_VERSION.to_string().into_bytes(),
+        ),
+    ]
+}
+
+/// A record: its exact JSON text, keyed by its stream.
+pub fn record(stream: &StreamName, json: &[u8]) -> LogMessage {
+    control(MessageKind::Record, stream, json.to_vec())
+}
+
+/// A message of `kind` on the stream's key, so it lands in order with the
+/// stream's records; `body` is its encoded payload.
+pub fn control(kind: MessageKind, stream: &StreamName, body: Vec<u8>) -> LogMessage {
+    LogMessage {
+        key: Some(stream.as_str().as_bytes().to_vec()),
+        headers: headers(kind),
+        payload: body,
+        partition: None,
+    }
+}
+
+/// A cut marker of `stream`.
+pub fn cut(stream: &StreamName, marker: &CutMarker) -> LogMessage {
+    control(MessageKind::Cut, stream, crate::encode(marker))
+}
+
+/// A definition change of `stream`.
+pub fn definition(stream: &StreamName, definition: &Definition) -> LogMessage {
+    control(MessageKind::Definition, stream, crate::encode(definition))
+}
+
+/// A release message for `partition` of the records topic (see
+/// [`MessageKind::Release`]): no key, no stream.
+pub fn release(partition: i32) -> LogMessage {
+    LogMessage {
+        key: None,
+        headers: headers(MessageKind::Release),
+        payload: format!("{{\"v\":{CURRENT_VERSION}}}").into_bytes(),
+        partition: Some(partition),
+    }
+}
+
+/// A release message for `partition` of a compacted topic: keyed
+/// [`RELEASE_KEY`].
+pub fn keyed_release(partition: i32) -> LogMessage {
+    LogMessage {
+        key: Some(RELEASE_KEY.as_bytes().to_vec()),
+        ..release(partition)
+    }
+}
+
+/// What a message is, from its `quire-kind` header (`None`: absent or
+/// unknown).
+pub fn kind_of(kind_header: Option<&[u8]>) -> Option<MessageKind> {
+    kind_header.and_then(MessageKind::from_header)
+}
+
+/// Whether a message (its `quire-kind` header and key) is a release.
+pub fn is_release(kind_header: Option<&[u8]>, key: Option<&[u8]>) -> bool {
+    kind_of(kind_header) == Some(MessageKind::Release) || key == Some(RELEASE_KEY.as_bytes())
+}
+
+/// Why a message's `quire-v` header is one this release cannot read (newer
+/// than ours, or not a number); `None` for ours, older ones and no header
+/// (records written before the header existed).
+pub fn unreadable_version(version_header: Option<&[u8]>) -> Option<String> {
+    let header = version_header?;
+    match std::str::from_utf8(header)
+        .ok()
+        .and_then(|text| text.trim().parse::<u32>().ok())
+    {
+        Some(version) if version <= CURRENT_VERSION => None,
+        Some(version) => Some(format!(
+            "record has version {version}, newer than this release reads ({CURRENT_VERSION}); upgrade the report generator"
+        )),
+        None => Some(format!(
+            "record has an unreadable {HEADER_VERSION} header: {:?}",
+            String::from_utf8_lossy(header)
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header<'a>(message: &'a LogMessage, name: &str) -> Option<&'a [u8]> {
+        message
+            .headers
+            .iter()
+            .find(|(found, _)| found == name)
+            .map(|(_, value)| value.as_slice())
+    }
+
+    #[test]
+    fn every_kind_carries_its_kind_and_our_version() {
+        let stream = StreamName::new("orders").unwrap();
+        let messages = [
+            (record(&stream, br#"{"a":1}"#), MessageKind::Record),
+            (cut(&stream, &CutMarker::explicit()), MessageKind::Cut),
+            (release(3), MessageKind::Release),
+            (keyed_release(3), MessageKind::Release),
+        ];
+        for (message, kind) in messages {
+            assert_eq!(kind_of(header(&message, HEADER_KIND)), Some(kind));
+            assert_eq!(header(&message, HEADER_VERSION), Some(b"1".as_slice()));
+            assert_eq!(unreadable_version(header(&message, HEADER_VERSION)), None);
+        }
+    }
+
+    #[test]
+    fn a_record_is_its_exact_text_keyed_by_its_stream() {
+        let stream = StreamName::new("orders").unwrap();
+        let text = br#"{ "b" : 2,"a":1 }"#;
+        let message = record(&stream, text);
+        assert_eq!(message.payload, text);
+        assert_eq!(message.key.as_deref(), Some(b"orders".as_slice()));
+        assert_eq!(message.partition, None);
+    }
+
+    #[test]
+    fn releases_are_told_apart_with_or_without_their_header() {
+        let plain = release(5);
+        assert_eq!((plain.key.as_deref(), plain.partition), (None, Some(5)));
+        assert!(is_release(header(&plain, HEADER_KIND), None));
+        let keyed = keyed_release(5);
+        assert!(is_release(None, keyed.key.as_deref()));
+        assert!(!is_release(Some(b"record"), Some(b"orders")));
+    }
+
+    #[test]
+    fn newer_or_garbled_versions_are_refused_by_name() {
+        assert_eq!(unreadable_version(None), None);
+        assert_eq!(unreadable_version(Some(b"0")), None);
+        let newer = (CURRENT_VERSION + 1).to_string();
+        let reason = unreadable_version(Some(newer.as_bytes())).unwrap();
+        assert!(reason.contains(&format!("version {newer}")), "{reason}");
+        let reason = unreadable_version(Some(b"two")).unwrap();
+        assert!(reason.contains("unreadable quire-v header"), "{reason}");
+    }
+}
