@@ -1,12 +1,11 @@
 //! What happens to a publishing request before its handler runs: the
-//! in-flight byte limit, `Idempotency-Key`, and the Kafka gate.
+//! in-flight byte limit, `Idempotency-Key`, and the Kafka gate. The
+//! middlewares take only what they use ([`Gate`], from the app's state by
+//! axum's `FromRef`), so they are tested without Kafka or S3.
 //!
-//! - **In-flight bytes.** Request bodies held at once (being read,
-//!   validated, or waiting for their transaction) stay under
-//!   `api.max_in_flight_bytes`. A body's share is taken as it is read (its
-//!   Content-Length at once when declared) and given back when the request
-//!   is answered. A request that cannot get its share at once is answered
-//!   429 with `Retry-After`; nothing waits in a queue.
+//! - **In-flight bytes** ([`crate::body`]): a request that cannot get its
+//!   share of `api.max_in_flight_bytes` at once is answered 429 with
+//!   `Retry-After`; nothing waits in a queue.
 //! - **Idempotency-Key** ([`crate::idempotency`]): a replay is answered from
 //!   the store (even while Kafka is away); a key in use for another body is
 //!   422, one whose first request is still running is 409 with
@@ -17,122 +16,34 @@
 //!   `Retry-After` at once.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use bytes::{Bytes, BytesMut};
-use futures::StreamExt;
-use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::auth;
+use crate::body::{InFlightBytes, read_body_reserving};
 use crate::errors::ApiError;
-use crate::idempotency::{self, Begin, ScopedKey, StoredResponse};
-use crate::state::AppState;
+use crate::idempotency::{self, Begin, IdempotencyStore, ScopedKey, StoredResponse};
+use crate::kafka_health::KafkaHealth;
+use crate::metrics::Metrics;
 
-/// The bytes every request in flight holds, bounded.
-pub struct InFlightBytes {
-    semaphore: Arc<Semaphore>,
-    limit: usize,
-    gauge: Gauge,
-}
-
-/// A request's share of the in-flight bytes, given back when dropped.
-pub struct Reservation {
-    permits: Option<OwnedSemaphorePermit>,
-    owner: Arc<InFlightBytes>,
-}
-
-impl InFlightBytes {
-    pub fn new(limit: usize, gauge: Gauge) -> Arc<Self> {
-        Arc::new(InFlightBytes {
-            semaphore: Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS))),
-            limit,
-            gauge,
-        })
-    }
-
-    /// An empty share, to grow as the body arrives.
-    pub fn reservation(self: &Arc<Self>) -> Reservation {
-        Reservation {
-            permits: None,
-            owner: Arc::clone(self),
-        }
-    }
-
-    pub fn held(&self) -> usize {
-        self.limit.min(Semaphore::MAX_PERMITS) - self.semaphore.available_permits()
-    }
-
-    fn update_gauge(&self) {
-        self.gauge.set(self.held() as i64);
-    }
-}
-
-impl Reservation {
-    /// Takes `bytes` more at once, or refuses (429).
-    pub fn grow(&mut self, bytes: usize) -> Result<(), ApiError> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        let busy = || ApiError::TooBusy {
-            limit: self.owner.limit,
-        };
-        let count = u32::try_from(bytes).map_err(|_| busy())?;
-        let permit = Arc::clone(&self.owner.semaphore)
-            .try_acquire_many_owned(count)
-            .map_err(|_| busy())?;
-        match &mut self.permits {
-            Some(held) => held.merge(permit),
-            None => self.permits = Some(permit),
-        }
-        self.owner.update_gauge();
-        Ok(())
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.permits
-            .as_ref()
-            .map_or(0, |permit| permit.num_permits())
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        if self.permits.take().is_some() {
-            self.owner.update_gauge();
-        }
-    }
-}
-
-/// Reads a whole body of at most `limit` bytes, holding a share of the
-/// in-flight bytes for it: a declared Content-Length is taken at once,
-/// otherwise each chunk as it arrives.
-pub async fn read_body_reserving(
-    body: Body,
-    headers: &HeaderMap,
-    limit: usize,
-    reservation: &mut Reservation,
-) -> Result<Bytes, ApiError> {
-    let declared_length = crate::routes::declared_length_within(headers, limit)?;
-    if let Some(length) = declared_length {
-        reservation.grow(length as usize)?;
-    }
-    let mut buffer = BytesMut::with_capacity(declared_length.unwrap_or(0) as usize);
-    let mut chunks = body.into_data_stream();
-    while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|error| ApiError::BodyUnreadable(error.to_string()))?;
-        if buffer.len() + chunk.len() > limit {
-            return Err(ApiError::BodyTooLarge { limit });
-        }
-        let needed = (buffer.len() + chunk.len()).saturating_sub(reservation.bytes());
-        reservation.grow(needed)?;
-        buffer.extend_from_slice(&chunk);
-    }
-    Ok(buffer.freeze())
+/// What admission uses, and nothing else.
+#[derive(Clone)]
+pub struct Gate {
+    pub in_flight_bytes: Arc<InFlightBytes>,
+    pub idempotency: Arc<IdempotencyStore>,
+    pub kafka_health: Arc<KafkaHealth>,
+    pub metrics: Arc<Metrics>,
+    /// `api.max_body_bytes`.
+    pub max_body_bytes: usize,
+    /// `api.body_read_timeout_ms`.
+    pub body_read_timeout: Duration,
+    /// Whether bearer tokens are checked (keys are then scoped per token).
+    pub tokens_enabled: bool,
 }
 
 /// Which admission a route gets.
@@ -146,8 +57,8 @@ pub enum Admission {
 }
 
 /// The Kafka gate alone.
-pub async fn kafka_gate(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(reason) = state.kafka_health.unavailable_because() {
+pub async fn kafka_gate(State(gate): State<Gate>, request: Request, next: Next) -> Response {
+    if let Some(reason) = gate.kafka_health.unavailable_because() {
         return ApiError::KafkaUnavailable(reason).into_response();
     }
     next.run(request).await
@@ -155,18 +66,14 @@ pub async fn kafka_gate(State(state): State<AppState>, request: Request, next: N
 
 /// In-flight bytes, `Idempotency-Key` and the Kafka gate, in that order (a
 /// replay needs neither Kafka nor a new transaction).
-pub async fn admit_publish(
-    State(state): State<AppState>,
-    request: Request,
-    next: Next,
-) -> Response {
+pub async fn admit_publish(State(state): State<Gate>, request: Request, next: Next) -> Response {
     match admit(state, request, next).await {
         Ok(response) => response,
         Err(error) => error.into_response(),
     }
 }
 
-async fn admit(state: AppState, request: Request, next: Next) -> Result<Response, ApiError> {
+async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, ApiError> {
     let key = request
         .headers()
         .get(idempotency::HEADER)
@@ -180,15 +87,10 @@ async fn admit(state: AppState, request: Request, next: Next) -> Result<Response
     }
     let (parts, body) = request.into_parts();
     let mut reservation = state.in_flight_bytes.reservation();
-    let timeout = state.limits.body_read_timeout;
+    let timeout = state.body_read_timeout;
     let body = tokio::time::timeout(
         timeout,
-        read_body_reserving(
-            body,
-            &parts.headers,
-            state.limits.max_body_bytes,
-            &mut reservation,
-        ),
+        read_body_reserving(body, &parts.headers, state.max_body_bytes, &mut reservation),
     )
     .await
     .map_err(|_elapsed| ApiError::BodyTimeout {
@@ -307,56 +209,127 @@ fn principal(headers: &HeaderMap, tokens_enabled: bool) -> idempotency::Digest32
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::Router;
     use axum::http::StatusCode;
+    use axum::routing::post;
+    use prometheus_client::metrics::gauge::Gauge;
+    use tower::ServiceExt;
 
     use super::*;
+    use crate::idempotency::StoreLimits;
 
-    #[test]
-    fn shares_are_taken_at_once_or_refused_and_given_back() {
-        let gauge = Gauge::default();
-        let bytes = InFlightBytes::new(100, gauge.clone());
-        let mut first = bytes.reservation();
-        first.grow(60).unwrap();
-        first.grow(10).unwrap();
-        assert_eq!(first.bytes(), 70);
-        assert_eq!(gauge.get(), 70);
-        let mut second = bytes.reservation();
-        let error = second.grow(31).unwrap_err();
-        assert_eq!(error.status(), StatusCode::TOO_MANY_REQUESTS);
-        second.grow(30).unwrap();
-        drop(first);
-        assert_eq!(gauge.get(), 30);
-        assert_eq!(bytes.held(), 30);
-        drop(second);
-        assert_eq!(bytes.held(), 0);
-        assert_eq!(gauge.get(), 0);
+    /// A gate of `in_flight` bytes in front of a handler that counts its
+    /// calls and answers the body's length: no Kafka, no S3.
+    fn gated(in_flight: usize) -> (Router, Gate, Arc<AtomicUsize>) {
+        let gate = Gate {
+            in_flight_bytes: InFlightBytes::new(in_flight, Gauge::default()),
+            idempotency: IdempotencyStore::new(StoreLimits {
+                max_keys: 100,
+                max_bytes: 1 << 20,
+                ttl: Duration::from_secs(60),
+            }),
+            kafka_health: KafkaHealth::new(),
+            metrics: Arc::new(Metrics::new()),
+            max_body_bytes: 1000,
+            body_read_timeout: Duration::from_secs(5),
+            tokens_enabled: false,
+        };
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let router = Router::new()
+            .route(
+                "/records",
+                post(move |body: axum::body::Bytes| async move {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::OK, format!("{{\"bytes\":{}}}", body.len()))
+                }),
+            )
+            .route_layer(axum::middleware::from_fn_with_state(
+                gate.clone(),
+                admit_publish,
+            ));
+        (router, gate, calls)
+    }
+
+    async fn post_body(
+        router: &Router,
+        key: Option<&str>,
+        body: &'static str,
+    ) -> (StatusCode, HeaderMap, String) {
+        let mut request = Request::post("/records").header(header::CONTENT_LENGTH, body.len());
+        if let Some(key) = key {
+            request = request.header(idempotency::HEADER, key);
+        }
+        let response = router
+            .clone()
+            .oneshot(request.body(Body::from(body)).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (status, headers, String::from_utf8(body.to_vec()).unwrap())
     }
 
     #[tokio::test]
-    async fn a_body_holds_its_declared_length_while_read() {
-        let bytes = InFlightBytes::new(10, Gauge::default());
-        let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("8"));
-        let mut reservation = bytes.reservation();
-        let body = read_body_reserving(Body::from("[{},{}]\n"), &headers, 100, &mut reservation)
-            .await
-            .unwrap();
-        assert_eq!(body, "[{},{}]\n");
-        assert_eq!(bytes.held(), 8);
-        let mut other = bytes.reservation();
-        let error = read_body_reserving(Body::from("[{}]"), &headers, 100, &mut other)
-            .await
-            .unwrap_err();
-        assert!(matches!(error, ApiError::TooBusy { limit: 10 }));
-        // Without Content-Length, chunk by chunk.
-        let error = read_body_reserving(Body::from("[{},{}]"), &HeaderMap::new(), 100, &mut other)
-            .await
-            .unwrap_err();
-        assert!(matches!(error, ApiError::TooBusy { .. }));
-        drop(reservation);
-        let body = read_body_reserving(Body::from("[{},{}]"), &HeaderMap::new(), 100, &mut other)
-            .await
-            .unwrap();
-        assert_eq!(body.len(), 7);
+    async fn a_keyed_request_runs_once_and_is_replayed_after() {
+        let (router, gate, calls) = gated(1000);
+        let (status, headers, body) = post_body(&router, Some("k-1"), "[{}]").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, r#"{"bytes":4}"#));
+        assert!(headers.get(idempotency::REPLAYED_HEADER).is_none());
+        let (status, headers, body) = post_body(&router, Some("k-1"), "[{}]").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, r#"{"bytes":4}"#));
+        assert_eq!(headers.get(idempotency::REPLAYED_HEADER).unwrap(), "true");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the replay ran the handler"
+        );
+        // The same key for another body is refused, and runs nothing.
+        let (status, _, _) = post_body(&router, Some("k-1"), "[{},{}]").await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(gate.in_flight_bytes.held(), 0, "a request kept its bytes");
+    }
+
+    #[tokio::test]
+    async fn while_kafka_is_away_new_requests_are_503_but_replays_answer() {
+        let (router, gate, calls) = gated(1000);
+        post_body(&router, Some("before"), "[{}]").await;
+        gate.kafka_health
+            .record(Err("all brokers down".into()), &gate.metrics);
+        for key in [None, Some("new")] {
+            let (status, headers, body) = post_body(&router, key, "[{}]").await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{key:?}: {body}");
+            assert!(headers.contains_key(header::RETRY_AFTER), "{key:?}");
+            assert!(body.contains("all brokers down"), "{body}");
+        }
+        let (status, headers, _) = post_body(&router, Some("before"), "[{}]").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers.get(idempotency::REPLAYED_HEADER).unwrap(), "true");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        // A refused key was not remembered: once Kafka is back it publishes.
+        gate.kafka_health.record(Ok(()), &gate.metrics);
+        let (status, headers, _) = post_body(&router, Some("new"), "[{}]").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(headers.get(idempotency::REPLAYED_HEADER).is_none());
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_in_flight_bytes_is_429_and_holds_nothing_after() {
+        let (router, gate, calls) = gated(8);
+        let (status, headers, _) = post_body(&router, None, "[{},{},{}]").await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(headers.contains_key(header::RETRY_AFTER));
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
+        assert_eq!(gate.in_flight_bytes.held(), 0);
+        let (status, _, _) = post_body(&router, None, "[{}]").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(gate.in_flight_bytes.held(), 0);
     }
 }

@@ -9,10 +9,18 @@
 //! `openapi.yaml`, served at `/openapi.yaml` and `/openapi.json`); errors,
 //! and their HTTP status codes, in [`errors::ApiError`]. What runs before a
 //! publishing route's handler (in-flight bytes, `Idempotency-Key`, the Kafka
-//! gate) is in [`admission`].
+//! gate) is in [`admission`]; reading bodies and their in-flight bytes in
+//! [`body`].
+//!
+//! The modules import one way: `body`, `auth`, `idempotency`, `validation`,
+//! `storage` and `log_reader` know only `errors`; `metrics` knows nothing of
+//! the state; `kafka_health` and `publish` build on those; `admission`
+//! takes a narrow [`admission::Gate`]; `state` gathers everything for the
+//! handlers in `routes`, and `startup` wires it all.
 
 pub mod admission;
 pub mod auth;
+pub mod body;
 pub mod errors;
 pub mod idempotency;
 pub mod kafka_health;

@@ -16,7 +16,6 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::errors::ErrorCode;
-use crate::state::AppState;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -315,15 +314,19 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// What `/metrics` needs of the app's state: the metrics alone.
+#[derive(Clone)]
+pub struct MetricsOnly(pub Arc<Metrics>);
+
 /// `GET /metrics`.
-pub async fn exposition(State(state): State<AppState>) -> Response {
+pub async fn exposition(State(MetricsOnly(metrics)): State<MetricsOnly>) -> Response {
     (
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
         )],
-        state.metrics.encode(),
+        metrics.encode(),
     )
         .into_response()
 }

@@ -18,6 +18,7 @@ use quire_queue::{
 };
 use serde_json::value::RawValue;
 
+use crate::log_reader::LogReader;
 use crate::metrics::Metrics;
 
 /// The longest a producer goes without releasing its partitions (a
@@ -170,6 +171,50 @@ impl Publisher {
             self.recreate(index);
         }
         outcome
+    }
+
+    /// [`publish`](Self::publish), with a commit whose outcome is unknown
+    /// (Kafka failed in the middle of it) settled by reading the log where
+    /// the messages were written, once the transaction has ended:
+    /// committed is answered as committed, aborted as aborted (503: nothing
+    /// was published, retry); only what cannot be settled stays "outcome
+    /// unknown" (500).
+    pub async fn publish_settled(
+        &self,
+        log: &LogReader,
+        messages: Vec<OutMessage>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        let key = messages.first().and_then(|message| message.key.clone());
+        match self.publish(messages).await {
+            Err(QueueError::CommitOutcomeUnknown { source, ids }) => {
+                let (Some(key), Some(&first)) = (key, ids.first()) else {
+                    return Err(QueueError::CommitOutcomeUnknown { source, ids });
+                };
+                match log.settle(&key, first).await {
+                    Ok(true) => {
+                        tracing::info!(
+                            partition = first.partition,
+                            offset = first.offset,
+                            "commit outcome settled from the log: committed"
+                        );
+                        Ok(ids)
+                    }
+                    Ok(false) => {
+                        tracing::info!(
+                            partition = first.partition,
+                            offset = first.offset,
+                            "commit outcome settled from the log: aborted"
+                        );
+                        Err(QueueError::TransactionAborted(source))
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error, "commit outcome could not be settled from the log");
+                        Err(QueueError::CommitOutcomeUnknown { source, ids })
+                    }
+                }
+            }
+            outcome => outcome,
+        }
     }
 
     /// Round robin over the usable producers (any, if none is).

@@ -13,8 +13,9 @@ use quire_config::Settings;
 use quire_queue::{QueueError, design_topics};
 use tokio::net::TcpListener;
 
-use crate::admission::{self, Admission, InFlightBytes};
+use crate::admission::{self, Admission};
 use crate::auth::{self, BearerTokens};
+use crate::body::InFlightBytes;
 use crate::errors::ApiError;
 use crate::idempotency::{IdempotencyStore, StoreLimits};
 use crate::kafka_health::{self, KafkaHealth};

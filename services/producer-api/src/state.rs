@@ -4,11 +4,14 @@ use std::sync::Arc;
 
 use quire_queue::{MessageId, OutMessage, QueueError};
 
-use crate::admission::InFlightBytes;
+use axum::extract::FromRef;
+
+use crate::admission::Gate;
+use crate::body::InFlightBytes;
 use crate::idempotency::IdempotencyStore;
 use crate::kafka_health::KafkaHealth;
 use crate::log_reader::LogReader;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, MetricsOnly};
 use crate::publish::{Publisher, RecordsTopic};
 use crate::storage::Storage;
 use crate::validation::Limits;
@@ -34,45 +37,31 @@ pub struct Services {
 }
 
 impl Services {
-    /// Publishes `messages` in one transaction (shared with other requests
-    /// by group commit). A commit whose outcome is unknown (Kafka failed in
-    /// the middle of it) is settled by reading the log where the messages
-    /// were written, once the transaction has ended: committed is answered
-    /// as committed, aborted as aborted (503: nothing was published, retry);
-    /// only what cannot be settled stays "outcome unknown" (500).
+    /// Publishes `messages` in one transaction, settling an unknown commit
+    /// outcome from the log (see [`Publisher::publish_settled`]).
     pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
-        let key = messages.first().and_then(|message| message.key.clone());
-        match self.publisher.publish(messages).await {
-            Err(QueueError::CommitOutcomeUnknown { source, ids }) => {
-                let (Some(key), Some(&first)) = (key, ids.first()) else {
-                    return Err(QueueError::CommitOutcomeUnknown { source, ids });
-                };
-                match self.log.settle(&key, first).await {
-                    Ok(true) => {
-                        tracing::info!(
-                            partition = first.partition,
-                            offset = first.offset,
-                            "commit outcome settled from the log: committed"
-                        );
-                        Ok(ids)
-                    }
-                    Ok(false) => {
-                        tracing::info!(
-                            partition = first.partition,
-                            offset = first.offset,
-                            "commit outcome settled from the log: aborted"
-                        );
-                        Err(QueueError::TransactionAborted(source))
-                    }
-                    Err(error) => {
-                        tracing::warn!(error = %error, "commit outcome could not be settled from the log");
-                        Err(QueueError::CommitOutcomeUnknown { source, ids })
-                    }
-                }
-            }
-            outcome => outcome,
-        }
+        self.publisher.publish_settled(&self.log, messages).await
     }
 }
 
 pub type AppState = Arc<Services>;
+
+impl FromRef<AppState> for Gate {
+    fn from_ref(state: &AppState) -> Self {
+        Gate {
+            in_flight_bytes: Arc::clone(&state.in_flight_bytes),
+            idempotency: Arc::clone(&state.idempotency),
+            kafka_health: Arc::clone(&state.kafka_health),
+            metrics: Arc::clone(&state.metrics),
+            max_body_bytes: state.limits.max_body_bytes,
+            body_read_timeout: state.limits.body_read_timeout,
+            tokens_enabled: state.tokens_enabled,
+        }
+    }
+}
+
+impl FromRef<AppState> for MetricsOnly {
+    fn from_ref(state: &AppState) -> Self {
+        MetricsOnly(Arc::clone(&state.metrics))
+    }
+}

@@ -11,8 +11,9 @@ use quire_messages::{Definition, MessageKind, StreamName};
 use quire_queue::MessageId;
 use serde::{Deserialize, Serialize};
 
+use crate::body::read_body;
 use crate::errors::ApiError;
-use crate::routes::{StreamPath, read_body};
+use crate::routes::StreamPath;
 use crate::state::AppState;
 use crate::storage::definition_key;
 use crate::validation::without_position;

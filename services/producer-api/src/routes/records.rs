@@ -9,8 +9,9 @@ use axum::http::HeaderMap;
 use quire_queue::{MessageId, OutMessage};
 use serde::{Serialize, Serializer};
 
+use crate::body::read_body;
 use crate::errors::ApiError;
-use crate::routes::{StreamPath, read_body};
+use crate::routes::StreamPath;
 use crate::state::AppState;
 use crate::validation::{BodyFormat, parse_records};
 
