@@ -108,17 +108,11 @@ pub enum ApiError {
     #[error("record {index} cannot be read: {message}; nothing was published")]
     InvalidRecord { index: usize, message: String },
 
-    #[error(
-        "record {index}: {} {path} contains {}, a character XML 1.0 does not allow; remove or replace it; nothing was published",
-        if *.in_name { "the name of field" } else { "field" },
-        code_point(*.character)
-    )]
+    #[error("record {index}: {forbidden}; nothing was published")]
     ForbiddenCharacter {
         index: usize,
-        path: String,
-        character: char,
-        /// In the field's name rather than its value.
-        in_name: bool,
+        /// The renderer's own finding, as `check_record` reports it.
+        forbidden: quire_xml::ForbiddenCharacter,
     },
 
     #[error("report {id} was never issued{reason}")]
@@ -192,96 +186,78 @@ pub enum AuthFailure {
 }
 
 impl ApiError {
-    /// The one mapping from error kinds to HTTP status codes.
-    pub fn status(&self) -> StatusCode {
+    /// The one table from error kinds to HTTP status codes and the stable
+    /// codes programs match on.
+    fn kind(&self) -> (StatusCode, &'static str) {
+        use StatusCode as S;
         match self {
-            ApiError::InvalidStreamName(_)
-            | ApiError::InvalidReportId(_)
-            | ApiError::InvalidPath(_)
-            | ApiError::InvalidQuery(_)
-            | ApiError::BodyUnreadable(_)
-            | ApiError::InvalidJson { .. }
-            | ApiError::InvalidNdjsonLine { .. }
-            | ApiError::NotAnArray
-            | ApiError::InvalidIdempotencyKey(_)
-            | ApiError::Storage(StorageError::BadContinuation) => StatusCode::BAD_REQUEST,
-            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ApiError::RouteNotFound { .. }
-            | ApiError::ReportNotFound { .. }
-            | ApiError::DefinitionNotFound { .. } => StatusCode::NOT_FOUND,
-            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::ReportPending { .. } | ApiError::IdempotencyKeyInProgress => {
-                StatusCode::CONFLICT
+            ApiError::InvalidStreamName(_) => (S::BAD_REQUEST, "invalid_stream_name"),
+            ApiError::InvalidReportId(_) => (S::BAD_REQUEST, "invalid_report_id"),
+            ApiError::InvalidPath(_) => (S::BAD_REQUEST, "invalid_path"),
+            ApiError::InvalidQuery(_) => (S::BAD_REQUEST, "invalid_query"),
+            ApiError::BodyUnreadable(_) => (S::BAD_REQUEST, "body_unreadable"),
+            ApiError::InvalidJson { .. } | ApiError::InvalidNdjsonLine { .. } => {
+                (S::BAD_REQUEST, "invalid_json")
             }
-            ApiError::TooBusy { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ApiError::ReportContentGone { .. } => StatusCode::GONE,
-            ApiError::BodyTooLarge { .. }
-            | ApiError::TooManyRecords { .. }
-            | ApiError::RecordTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::NotAnObject { .. }
-            | ApiError::InvalidRecord { .. }
-            | ApiError::ForbiddenCharacter { .. }
-            | ApiError::InvalidDefinition(_)
-            | ApiError::IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::NotAnArray => (S::BAD_REQUEST, "not_an_array"),
+            ApiError::InvalidIdempotencyKey(_) => (S::BAD_REQUEST, "invalid_idempotency_key"),
+            ApiError::Storage(StorageError::BadContinuation) => (S::BAD_REQUEST, "invalid_query"),
+            ApiError::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
+            ApiError::RouteNotFound { .. } => (S::NOT_FOUND, "not_found"),
+            ApiError::ReportNotFound { .. } => (S::NOT_FOUND, "report_not_found"),
+            ApiError::DefinitionNotFound { .. } => (S::NOT_FOUND, "definition_not_found"),
+            ApiError::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::ReportPending { .. } => (S::CONFLICT, "report_pending"),
+            ApiError::IdempotencyKeyInProgress => (S::CONFLICT, "idempotency_key_in_progress"),
+            ApiError::TooBusy { .. } => (S::TOO_MANY_REQUESTS, "too_busy"),
+            ApiError::BodyTimeout { .. } => (S::REQUEST_TIMEOUT, "body_timeout"),
+            ApiError::ReportContentGone { .. } => (S::GONE, "report_content_gone"),
+            ApiError::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body_too_large"),
+            ApiError::TooManyRecords { .. } => (S::PAYLOAD_TOO_LARGE, "too_many_records"),
+            ApiError::RecordTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "record_too_large"),
+            ApiError::UnsupportedMediaType { .. } => {
+                (S::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            ApiError::NotAnObject { .. } => (S::UNPROCESSABLE_ENTITY, "record_not_an_object"),
+            ApiError::InvalidRecord { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_record"),
+            ApiError::ForbiddenCharacter { .. } => (S::UNPROCESSABLE_ENTITY, "forbidden_character"),
+            ApiError::InvalidDefinition(_) => (S::UNPROCESSABLE_ENTITY, "invalid_definition"),
+            ApiError::IdempotencyKeyReused => (S::UNPROCESSABLE_ENTITY, "idempotency_key_reused"),
             // Not 503: the array may be committed, and clients retry a 503.
+            ApiError::Publish(QueueError::CommitOutcomeUnknown { .. }) => {
+                (S::INTERNAL_SERVER_ERROR, "publish_outcome_unknown")
+            }
             ApiError::Publish(
-                QueueError::TopicMismatch(_)
-                | QueueError::ProtectedProperty { .. }
-                | QueueError::CommitOutcomeUnknown { .. },
-            )
-            | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::Publish(_)
-            | ApiError::Log(_)
-            | ApiError::KafkaUnavailable(_)
-            | ApiError::Storage(_)
-            | ApiError::DefinitionCopyFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+                QueueError::TopicMismatch(_) | QueueError::ProtectedProperty { .. },
+            ) => (S::INTERNAL_SERVER_ERROR, "publish_failed"),
+            ApiError::Internal(_) => (S::INTERNAL_SERVER_ERROR, "internal"),
+            ApiError::Publish(QueueError::ProducerFatal(_)) => {
+                (S::SERVICE_UNAVAILABLE, "producer_unavailable")
+            }
+            ApiError::Publish(QueueError::EnqueuerStopped) => {
+                (S::SERVICE_UNAVAILABLE, "shutting_down")
+            }
+            ApiError::Publish(_) => (S::SERVICE_UNAVAILABLE, "publish_failed"),
+            ApiError::KafkaUnavailable(_) => (S::SERVICE_UNAVAILABLE, "kafka_unavailable"),
+            ApiError::Log(error) if error.is_not_yet_stable() => {
+                (S::SERVICE_UNAVAILABLE, "report_not_yet_readable")
+            }
+            ApiError::Log(_) => (S::SERVICE_UNAVAILABLE, "kafka_unavailable"),
+            ApiError::Storage(_) => (S::SERVICE_UNAVAILABLE, "storage_unavailable"),
+            ApiError::DefinitionCopyFailed { .. } => {
+                (S::SERVICE_UNAVAILABLE, "definition_copy_failed")
+            }
         }
     }
 
-    /// A stable name for programs.
+    /// The HTTP status code (see [`kind`](Self::kind)).
+    pub fn status(&self) -> StatusCode {
+        self.kind().0
+    }
+
+    /// A stable name for programs (see [`kind`](Self::kind)).
     pub fn code(&self) -> &'static str {
-        match self {
-            ApiError::InvalidStreamName(_) => "invalid_stream_name",
-            ApiError::InvalidReportId(_) => "invalid_report_id",
-            ApiError::InvalidPath(_) => "invalid_path",
-            ApiError::InvalidQuery(_) => "invalid_query",
-            ApiError::BodyUnreadable(_) => "body_unreadable",
-            ApiError::BodyTimeout { .. } => "body_timeout",
-            ApiError::InvalidJson { .. } | ApiError::InvalidNdjsonLine { .. } => "invalid_json",
-            ApiError::NotAnArray => "not_an_array",
-            ApiError::InvalidDefinition(_) => "invalid_definition",
-            ApiError::Unauthorized(_) => "unauthorized",
-            ApiError::RouteNotFound { .. } => "not_found",
-            ApiError::MethodNotAllowed { .. } => "method_not_allowed",
-            ApiError::BodyTooLarge { .. } => "body_too_large",
-            ApiError::TooManyRecords { .. } => "too_many_records",
-            ApiError::RecordTooLarge { .. } => "record_too_large",
-            ApiError::UnsupportedMediaType { .. } => "unsupported_media_type",
-            ApiError::NotAnObject { .. } => "record_not_an_object",
-            ApiError::InvalidRecord { .. } => "invalid_record",
-            ApiError::ForbiddenCharacter { .. } => "forbidden_character",
-            ApiError::ReportNotFound { .. } => "report_not_found",
-            ApiError::DefinitionNotFound { .. } => "definition_not_found",
-            ApiError::ReportPending { .. } => "report_pending",
-            ApiError::ReportContentGone { .. } => "report_content_gone",
-            ApiError::InvalidIdempotencyKey(_) => "invalid_idempotency_key",
-            ApiError::IdempotencyKeyReused => "idempotency_key_reused",
-            ApiError::IdempotencyKeyInProgress => "idempotency_key_in_progress",
-            ApiError::TooBusy { .. } => "too_busy",
-            ApiError::KafkaUnavailable(_) => "kafka_unavailable",
-            ApiError::Publish(QueueError::ProducerFatal(_)) => "producer_unavailable",
-            ApiError::Publish(QueueError::CommitOutcomeUnknown { .. }) => "publish_outcome_unknown",
-            ApiError::Publish(QueueError::EnqueuerStopped) => "shutting_down",
-            ApiError::Publish(_) => "publish_failed",
-            ApiError::Log(error) if error.is_not_yet_stable() => "report_not_yet_readable",
-            ApiError::Log(_) => "kafka_unavailable",
-            ApiError::Storage(StorageError::BadContinuation) => "invalid_query",
-            ApiError::Storage(_) => "storage_unavailable",
-            ApiError::DefinitionCopyFailed { .. } => "definition_copy_failed",
-            ApiError::Internal(_) => "internal",
-        }
+        self.kind().1
     }
 
     /// Members added next to `code` and `message`, for programs.
@@ -303,16 +279,14 @@ impl ApiError {
             } => json!({"index": index, "bytes": bytes, "limit": limit}),
             ApiError::NotAnObject { index, found } => json!({"index": index, "found": found}),
             ApiError::InvalidRecord { index, .. } => json!({"index": index}),
-            ApiError::ForbiddenCharacter {
-                index,
-                path,
-                character,
-                in_name,
-            } => json!({
+            ApiError::ForbiddenCharacter { index, forbidden } => json!({
                 "index": index,
-                "path": path,
-                "character": code_point(*character),
-                "in": if *in_name { "name" } else { "value" },
+                "path": forbidden.path,
+                "character": code_point(forbidden.character),
+                "in": match forbidden.place {
+                    quire_xml::FieldPart::Name => "name",
+                    quire_xml::FieldPart::Value => "value",
+                },
             }),
             ApiError::ReportNotFound { id, .. }
             | ApiError::ReportPending { id }
@@ -388,9 +362,11 @@ mod tests {
     async fn a_forbidden_character_names_record_field_and_character() {
         let (status, body) = body_of(ApiError::ForbiddenCharacter {
             index: 3,
-            path: "a.b[1]".into(),
-            character: '\u{1}',
-            in_name: false,
+            forbidden: quire_xml::ForbiddenCharacter {
+                path: "a.b[1]".into(),
+                character: '\u{1}',
+                place: quire_xml::FieldPart::Value,
+            },
         })
         .await;
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);

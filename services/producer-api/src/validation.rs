@@ -115,12 +115,9 @@ fn check_record(index: usize, record: &RawValue, limits: &Limits) -> Result<(), 
     // The very check the renderer runs before it writes a record: what the
     // API accepts, the worker can render.
     quire_xml::check_record(&value).map_err(|problem| match problem {
-        RenderError::ForbiddenCharacter(forbidden) => ApiError::ForbiddenCharacter {
-            index,
-            path: forbidden.path,
-            character: forbidden.character,
-            in_name: forbidden.place == FieldPart::Name,
-        },
+        RenderError::ForbiddenCharacter(forbidden) => {
+            ApiError::ForbiddenCharacter { index, forbidden }
+        }
         RenderError::NotAnObject { found } => ApiError::NotAnObject { index, found },
         RenderError::TooDeeplyNested { .. } => ApiError::InvalidRecord {
             index,
@@ -393,7 +390,7 @@ mod tests {
         let body = br#"[{"ok":"fine"}, {"order":{"note":"a\u0000b"}}]"#;
         let error = parse_records(body, BodyFormat::JsonArray, &LIMITS).unwrap_err();
         assert!(
-            matches!(&error, ApiError::ForbiddenCharacter { index: 1, path, character: '\0', in_name: false } if path == "order.note"),
+            matches!(&error, ApiError::ForbiddenCharacter { index: 1, forbidden } if forbidden.path == "order.note" && forbidden.character == '\0' && forbidden.place == FieldPart::Value),
             "{error:?}"
         );
         let body = br#"[{"bad\u0001name": 1}]"#;
@@ -401,12 +398,8 @@ mod tests {
         assert!(
             matches!(
                 &error,
-                ApiError::ForbiddenCharacter {
-                    index: 0,
-                    character: '\u{1}',
-                    in_name: true,
-                    ..
-                }
+                ApiError::ForbiddenCharacter { index: 0, forbidden }
+                    if forbidden.character == '\u{1}' && forbidden.place == FieldPart::Name
             ),
             "{error:?}"
         );
