@@ -491,7 +491,7 @@ impl Observed {
             );
             use sha2::Digest;
             let digest = sha2::Sha256::digest(&report.document);
-            let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+            let hex = hex::encode(digest);
             assert_eq!(
                 report.manifest["sha256"].as_str(),
                 Some(hex.as_str()),

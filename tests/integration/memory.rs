@@ -262,7 +262,7 @@ async fn a_backlog_far_larger_than_the_memory_budget_is_reported_within_it() {
             .expect("the document of a manifest");
         use sha2::Digest;
         let digest = sha2::Sha256::digest(&document);
-        let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+        let hex = hex::encode(digest);
         assert_eq!(manifest["sha256"].as_str(), Some(hex.as_str()), "{id}");
         assert_eq!(manifest["bytes"].as_u64(), Some(document.len() as u64));
         let sequence = sequence_numbers(&document);

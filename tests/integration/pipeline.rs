@@ -50,10 +50,7 @@ async fn three_arrays_then_a_cut_make_one_report_with_exactly_those_records() {
         .await;
     assert_eq!(code, 200);
     use sha2::Digest;
-    let digest: String = sha2::Sha256::digest(&content)
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect();
+    let digest = hex::encode(sha2::Sha256::digest(&content));
     assert_eq!(
         manifest["sha256"].as_str(),
         Some(digest.as_str()),

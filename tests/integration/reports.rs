@@ -23,10 +23,7 @@ fn stream_name(prefix: &str) -> String {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 fn gunzip(bytes: &[u8]) -> Vec<u8> {

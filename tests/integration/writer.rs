@@ -45,10 +45,7 @@ fn document(length: usize) -> Vec<u8> {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    hex::encode(Sha256::digest(bytes))
 }
 
 /// Deletes the bucket, which the server refuses while it holds anything,
@@ -467,11 +464,7 @@ async fn writing_one_gib_keeps_the_buffered_bytes_under_the_bound() {
     );
     assert_eq!(written.bytes, GIB as u64);
     assert_eq!(written.parts, 128);
-    let expected: String = expected_hasher
-        .finalize()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect();
+    let expected = hex::encode(expected_hasher.finalize());
     assert_eq!(written.sha256_hex, expected);
     assert_eq!(bucket.size(key).await, Some(GIB as i64));
 }

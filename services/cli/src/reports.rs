@@ -177,7 +177,7 @@ pub async fn get(
     drop(sink);
     bar.finish_and_clear();
 
-    let actual_sha256 = hex(&hasher.finalize());
+    let actual_sha256 = hex::encode(hasher.finalize());
     let kept = if to_stdout {
         String::new()
     } else {
@@ -308,10 +308,6 @@ fn describe_report(report: &Value) -> String {
     )
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,7 +332,7 @@ mod tests {
     #[test]
     fn digests_print_as_lowercase_hex() {
         assert_eq!(
-            hex(&Sha256::digest(b"abc")),
+            hex::encode(Sha256::digest(b"abc")),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
         assert_eq!(

@@ -121,6 +121,19 @@ pub async fn read_body_reserving(
     Ok(buffer.freeze())
 }
 
+/// The request's Content-Type as sent, and its media type (lowercase,
+/// parameters such as `charset` dropped); `None` without the header.
+pub fn media_type(headers: &HeaderMap) -> Option<(String, String)> {
+    let sent = String::from_utf8_lossy(headers.get(header::CONTENT_TYPE)?.as_bytes()).into_owned();
+    let media_type = sent
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    Some((sent, media_type))
+}
+
 /// The body's declared Content-Length, refused at once when over `limit`.
 pub fn declared_length_within(headers: &HeaderMap, limit: usize) -> Result<Option<u64>, ApiError> {
     let declared_length = headers
@@ -189,6 +202,23 @@ mod tests {
         drop(second);
         assert_eq!(bytes.held(), 0);
         assert_eq!(gauge.get(), 0);
+    }
+
+    #[test]
+    fn media_types_drop_their_parameters_and_case() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(media_type(&headers), None);
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("Application/JSON ; charset=utf-8"),
+        );
+        assert_eq!(
+            media_type(&headers),
+            Some((
+                "Application/JSON ; charset=utf-8".to_owned(),
+                "application/json".to_owned()
+            ))
+        );
     }
 
     #[tokio::test]

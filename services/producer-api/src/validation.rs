@@ -10,8 +10,8 @@
 use std::fmt;
 
 use axum::http::HeaderMap;
-use axum::http::header::{CONTENT_ENCODING, CONTENT_TYPE};
-use quire_xml::{FieldPart, RenderError};
+use axum::http::header::CONTENT_ENCODING;
+use quire_xml::RenderError;
 use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -48,25 +48,18 @@ impl BodyFormat {
                 });
             }
         }
-        let Some(content_type) = headers.get(CONTENT_TYPE) else {
+        let Some((content_type, media_type)) = crate::body::media_type(headers) else {
             return Err(ApiError::UnsupportedMediaType {
                 found: "(none)".to_owned(),
             });
         };
-        let content_type = String::from_utf8_lossy(content_type.as_bytes());
-        let media_type = content_type
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase();
         match media_type.as_str() {
             "application/json" => Ok(BodyFormat::JsonArray),
             "application/x-ndjson" | "application/ndjson" | "application/jsonl" => {
                 Ok(BodyFormat::Ndjson)
             }
             _ => Err(ApiError::UnsupportedMediaType {
-                found: content_type.into_owned(),
+                found: content_type,
             }),
         }
     }
@@ -243,6 +236,9 @@ pub fn without_position(error: &serde_json::Error) -> String {
 #[cfg(test)]
 mod tests {
     use axum::http::HeaderValue;
+
+    use axum::http::header::CONTENT_TYPE;
+    use quire_xml::FieldPart;
 
     use super::*;
 

@@ -1023,7 +1023,7 @@ impl HashChain {
     /// link never finished.
     async fn finish(self) -> Option<String> {
         let hasher = self.end.await.ok()?;
-        Some(lowercase_hex(&hasher.finalize()))
+        Some(hex::encode(hasher.finalize()))
     }
 }
 
@@ -1048,7 +1048,7 @@ impl HashLink {
             let mut hasher = previous.await.ok()?;
             let (hasher, part_sha256) = tokio::task::spawn_blocking(move || {
                 hasher.update(&part);
-                let part_sha256 = first_link.then(|| lowercase_hex(&hasher.clone().finalize()));
+                let part_sha256 = first_link.then(|| hex::encode(hasher.clone().finalize()));
                 (hasher, part_sha256)
             })
             .await
@@ -1057,16 +1057,6 @@ impl HashLink {
             part_sha256
         }
     }
-}
-
-fn lowercase_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut hex = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        hex.push(DIGITS[usize::from(byte >> 4)] as char);
-        hex.push(DIGITS[usize::from(byte & 0x0f)] as char);
-    }
-    hex
 }
 
 #[cfg(test)]
@@ -1159,10 +1149,5 @@ mod tests {
     fn a_writer_can_move_between_tasks() {
         fn assert_send<T: Send + 'static>() {}
         assert_send::<MultipartWriter>();
-    }
-
-    #[test]
-    fn hex_is_lowercase_and_two_digits_per_byte() {
-        assert_eq!(lowercase_hex(&[0x00, 0x0f, 0xa0, 0xff]), "000fa0ff");
     }
 }

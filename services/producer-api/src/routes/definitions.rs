@@ -46,14 +46,12 @@ pub async fn put_definition(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
-        let content_type = String::from_utf8_lossy(content_type.as_bytes());
-        let media_type = content_type.split(';').next().unwrap_or_default().trim();
-        if !media_type.eq_ignore_ascii_case("application/json") {
-            return Err(ApiError::UnsupportedMediaType {
-                found: content_type.into_owned(),
-            });
-        }
+    if let Some((content_type, media_type)) = crate::body::media_type(&headers)
+        && media_type != "application/json"
+    {
+        return Err(ApiError::UnsupportedMediaType {
+            found: content_type,
+        });
     }
     let body = read_body(body, &headers, MAX_DEFINITION_BYTES).await?;
     let definition = parse_definition(&body)?;
