@@ -172,10 +172,6 @@ impl ArrayConsumer {
         })
     }
 
-    pub fn topic(&self) -> &str {
-        &self.topic
-    }
-
     /// The partitions assigned now.
     pub fn assignment(&self) -> Vec<i32> {
         self.consumer

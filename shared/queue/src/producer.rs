@@ -194,10 +194,6 @@ impl TransactionalProducer {
         Ok(producer)
     }
 
-    pub fn transactional_id(&self) -> &str {
-        &self.inner.transactional_id
-    }
-
     /// Whether a release is due: the producer has one, and it has not
     /// committed since the producer connected or since librdkafka last
     /// reported the brokers gone. Its next transaction releases first.

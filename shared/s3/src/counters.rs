@@ -1,5 +1,6 @@
-//! Counters of what the writers did, for the services to read (and, later, to
-//! export to Prometheus).
+//! Counters of what the writers did, shared by every writer and sweep of a
+//! bucket handle; the report generator exports them as `quire_worker_*`
+//! metrics (its `UploadCounters` collector).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -42,8 +42,9 @@ pub fn encode_name(name: &str) -> Cow<'_, str> {
     Cow::Owned(encoded)
 }
 
-/// Appends the key encoded as an XML NCName to `out`, without an
-/// intermediate allocation (the renderer's hot path).
+/// Appends the key encoded as an XML NCName to `out` (the renderer's hot
+/// path): a key that is its own encoding, the common case, is copied as it
+/// is; only one that needs escapes is encoded into a string first.
 pub(crate) fn write_encoded_name(out: &mut Vec<u8>, name: &str) {
     if name_is_its_own_encoding(name) {
         out.extend_from_slice(name.as_bytes());
