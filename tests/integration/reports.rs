@@ -2,8 +2,6 @@
 //! S3 server: the producer API and report generators as child processes.
 
 use std::io::Read;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use quire_messages::layout::RETENTION_PREFIXES;
@@ -419,16 +417,16 @@ async fn without_lifecycle_rules_retention_falls_back_to_a_sweep_that_stops_when
     put_objects(&bucket, &[OLD_REPORT, OLD_MANIFEST]).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     put_objects(&bucket, &[NEW_REPORT]).await;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = tokio_util::sync::CancellationToken::new();
     let task = quire_s3::spawn_retention(
         handle,
         Retention {
             keep_for: Some(Duration::from_secs(2)),
-            // One sweep at start, then a long wait the stop flag ends.
+            // One sweep at start, then a long wait the stop ends.
             sweep_every: Duration::from_secs(3600),
         },
         &RETENTION_PREFIXES,
-        Arc::clone(&stop),
+        stop.clone(),
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     while all_keys(&bucket).await != vec![NEW_REPORT] {
@@ -439,7 +437,7 @@ async fn without_lifecycle_rules_retention_falls_back_to_a_sweep_that_stops_when
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    stop.store(true, Ordering::Release);
+    stop.cancel();
     tokio::time::timeout(Duration::from_secs(30), task)
         .await
         .expect("the retention task ends once stopped")

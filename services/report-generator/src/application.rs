@@ -6,10 +6,9 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use quire_config::Settings;
+use tokio_util::sync::CancellationToken;
 
 use crate::{Mode, Monitor, RunSummary, WorkerError, supervisor};
 
@@ -64,12 +63,12 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<RunSummary, WorkerError> {
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = CancellationToken::new();
         let raise = {
-            let stop = Arc::clone(&stop);
+            let stop = stop.clone();
             tokio::spawn(async move {
                 shutdown.await;
-                stop.store(true, Ordering::Release);
+                stop.cancel();
             })
         };
         // Report retention (s3.report_retention_days): a bucket lifecycle
@@ -78,12 +77,12 @@ impl Application {
         let retention = quire_s3::start_retention(
             &self.settings.s3,
             &quire_messages::layout::RETENTION_PREFIXES,
-            Arc::clone(&stop),
+            stop.clone(),
         )
         .await;
         let summary = supervisor::run(&self.settings, self.mode, &stop, &self.monitor).await;
         // A drain ends without the shutdown future: stop what runs beside.
-        stop.store(true, Ordering::Release);
+        stop.cancel();
         raise.abort();
         retention.abort();
         summary

@@ -19,7 +19,6 @@
 //! session, but two processes with the same `worker.replica_id` fence each
 //! other at every restart, forever.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
@@ -31,9 +30,10 @@ use quire_queue::{KafkaError, RDKafkaErrorCode};
 use crate::error::Recovery;
 use crate::monitoring::{Monitor, SessionState};
 use crate::{Mode, RunSummary, Worker, WorkerError};
+use tokio_util::sync::CancellationToken;
 
-/// How often a wait (backoff, build) looks at the stop flag.
-const STOP_POLL: Duration = Duration::from_millis(100);
+/// How often a backoff wait tells `/healthz` the supervisor is alive.
+const HEALTH_TICK: Duration = Duration::from_millis(100);
 
 /// Sessions ended by fencing one after the other before the worker gives up:
 /// its own transaction timeout or a replacement starting early fence it once;
@@ -48,7 +48,7 @@ const FENCED_COUNT_RESET: Duration = Duration::from_secs(600);
 pub async fn run(
     settings: &Settings,
     mode: Mode,
-    stop: &AtomicBool,
+    stop: &CancellationToken,
     monitor: &Monitor,
 ) -> Result<RunSummary, WorkerError> {
     let mut total = RunSummary::default();
@@ -81,7 +81,7 @@ pub async fn run(
                 }
                 Err(error) => Err(error),
             },
-            () = stopped(stop) => {
+            () = stop.cancelled() => {
                 tracing::info!("stop requested while connecting");
                 Ok(())
             }
@@ -109,7 +109,7 @@ pub async fn run(
             monitor.health.set_state(SessionState::Stopping);
             return Err(error);
         }
-        if stop.load(Ordering::Acquire) {
+        if stop.is_cancelled() {
             // SIGTERM arrived while the session failed: nothing to resume.
             tracing::warn!(error = %error, cause = error.cause(), "worker session failed while stopping");
             return Ok(total);
@@ -183,19 +183,12 @@ impl FencingCount {
     }
 }
 
-/// Resolves once `stop` is raised.
-async fn stopped(stop: &AtomicBool) {
-    while !stop.load(Ordering::Acquire) {
-        tokio::time::sleep(STOP_POLL).await;
-    }
-}
-
 /// Sleeps `delay` in short steps, keeping `/healthz` alive; false when
 /// `stop` was raised meanwhile.
-async fn wait_unless_stopped(delay: Duration, stop: &AtomicBool, monitor: &Monitor) -> bool {
+async fn wait_unless_stopped(delay: Duration, stop: &CancellationToken, monitor: &Monitor) -> bool {
     let deadline = Instant::now() + delay;
     loop {
-        if stop.load(Ordering::Acquire) {
+        if stop.is_cancelled() {
             return false;
         }
         monitor.health.turned();
@@ -203,7 +196,10 @@ async fn wait_unless_stopped(delay: Duration, stop: &AtomicBool, monitor: &Monit
         if remaining.is_zero() {
             return true;
         }
-        tokio::time::sleep(remaining.min(STOP_POLL)).await;
+        tokio::select! {
+            () = tokio::time::sleep(remaining.min(HEALTH_TICK)) => {}
+            () = stop.cancelled() => return false,
+        }
     }
 }
 
@@ -345,9 +341,20 @@ mod tests {
     #[tokio::test]
     async fn a_stop_cuts_the_backoff_short() {
         let monitor = Monitor::new(&settings(1000, 30_000));
-        let stop = AtomicBool::new(true);
+        let stop = CancellationToken::new();
+        stop.cancel();
         assert!(!wait_unless_stopped(Duration::from_secs(30), &stop, &monitor).await);
-        let stop = AtomicBool::new(false);
+        let stop = CancellationToken::new();
         assert!(wait_unless_stopped(Duration::from_millis(1), &stop, &monitor).await);
+        // A stop while waiting ends the wait at once.
+        let stop = CancellationToken::new();
+        let cancel = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            cancel.cancel();
+        });
+        let started = Instant::now();
+        assert!(!wait_unless_stopped(Duration::from_secs(30), &stop, &monitor).await);
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }

@@ -23,6 +23,7 @@ use quire_queue::{
     RebalanceEvent, Release, TopicSpec, TransactionalProducer,
 };
 use quire_s3::{S3Bucket, UploadPolicy};
+use tokio_util::sync::CancellationToken;
 
 use crate::WorkerError;
 use crate::document::{Appended, OpenDocument};
@@ -298,11 +299,11 @@ impl Worker {
     /// drain mode once everything queued before it was caught up is reported
     /// (or `stop` is raised). On an error the session is over: call
     /// [`shut_down`](Self::shut_down) either way.
-    pub async fn run(&mut self, mode: Mode, stop: &AtomicBool) -> Result<(), WorkerError> {
+    pub async fn run(&mut self, mode: Mode, stop: &CancellationToken) -> Result<(), WorkerError> {
         let settings = self.context.settings.clone();
         let max_wait = Duration::from_millis(settings.max_wait_ms);
         let mut draining = false;
-        while !stop.load(Ordering::Acquire) {
+        while !stop.is_cancelled() {
             self.monitor.health.turned();
             let array = self
                 .consumer

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use aws_runtime::auth::PayloadSigningOverride;
@@ -17,7 +17,7 @@ use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use backon::Retryable;
 use bytes::Bytes;
-use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
@@ -39,7 +39,8 @@ pub(crate) struct UploadTarget {
     /// Whether SigV4 signs the bodies of parts and single puts.
     sign_payload: bool,
     /// Set when the upload is being aborted: no new attempt starts.
-    pub abandoned: Arc<StopSignal>,
+    /// Cancelled when the upload is being aborted: no new attempt starts.
+    pub abandoned: CancellationToken,
     /// Timeouts of one attempt: the policy's attempt timeout over the
     /// client's own (connect timeout...).
     timeouts: TimeoutConfig,
@@ -70,7 +71,7 @@ impl UploadTarget {
             retry,
             counters,
             sign_payload,
-            abandoned: Arc::default(),
+            abandoned: CancellationToken::new(),
             timeouts,
         }
     }
@@ -336,7 +337,7 @@ pub(crate) struct CallLabel<'a> {
     pub bytes: Option<usize>,
     /// Once this is stopped, no further attempt of the call starts and a
     /// backoff wait ends early.
-    pub stop: Option<Arc<StopSignal>>,
+    pub stop: Option<CancellationToken>,
 }
 
 impl<'a> CallLabel<'a> {
@@ -356,47 +357,15 @@ impl<'a> CallLabel<'a> {
         self
     }
 
-    fn stopped_by(mut self, stop: &Arc<StopSignal>) -> Self {
+    fn stopped_by(mut self, stop: &CancellationToken) -> Self {
         self.stop = Some(stop.clone());
         self
     }
 
     fn is_stopped(&self) -> bool {
-        self.stop.as_deref().is_some_and(StopSignal::is_stopped)
-    }
-}
-
-/// A one-way switch that tells the calls of an upload being aborted to start
-/// no new attempt, and wakes those waiting between attempts.
-#[derive(Debug, Default)]
-pub(crate) struct StopSignal {
-    stopped: AtomicBool,
-    wake: Notify,
-}
-
-impl StopSignal {
-    pub fn stop(&self) {
-        self.stopped.store(true, Ordering::Release);
-        self.wake.notify_waiters();
-    }
-
-    pub fn is_stopped(&self) -> bool {
-        self.stopped.load(Ordering::Acquire)
-    }
-
-    /// Waits `delay`, or less if the signal stops meanwhile.
-    async fn sleep(&self, delay: Duration) {
-        let woken = self.wake.notified();
-        tokio::pin!(woken);
-        // Registered before the check, so a stop in between still wakes us.
-        woken.as_mut().enable();
-        if self.is_stopped() {
-            return;
-        }
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            () = woken => {}
-        }
+        self.stop
+            .as_ref()
+            .is_some_and(CancellationToken::is_cancelled)
     }
 }
 
@@ -471,7 +440,10 @@ where
         let stop = stop.clone();
         async move {
             match stop {
-                Some(stop) => stop.sleep(delay).await,
+                // Cut short once the upload is being aborted.
+                Some(stop) => {
+                    let _ = stop.run_until_cancelled(tokio::time::sleep(delay)).await;
+                }
                 None => tokio::time::sleep(delay).await,
             }
         }

@@ -15,8 +15,6 @@
 //! With retention 0 (keep forever), rules this module put earlier are
 //! removed, so turning retention off really keeps reports.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
@@ -28,6 +26,7 @@ use aws_sdk_s3::types::{
 use futures::{StreamExt, TryStreamExt};
 use quire_config::S3Settings;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::calls::{CallLabel, call_settings_without_retries, with_retries};
 use crate::error::WriterError;
@@ -43,9 +42,6 @@ const LIST_PAGE_SIZE: i32 = 1000;
 
 /// Deletes in flight at once during a sweep.
 const DELETES_AT_ONCE: usize = 8;
-
-/// How often a waiting retention task looks at its stop flag.
-const STOP_POLL: Duration = Duration::from_millis(500);
 
 /// How long reports are kept and how often the fallback sweep runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +118,7 @@ impl S3Bucket {
         &self,
         prefixes: &[&str],
         age: Duration,
-        stop: Option<&AtomicBool>,
+        stop: Option<&CancellationToken>,
     ) -> Result<ExpiredObjects, WriterError> {
         let cutoff = DateTime::from(
             SystemTime::now()
@@ -149,13 +145,13 @@ impl S3Bucket {
         &self,
         prefix: &str,
         cutoff: DateTime,
-        stop: Option<&AtomicBool>,
+        stop: Option<&CancellationToken>,
     ) -> Result<ExpiredObjects, WriterError> {
         let retry = RetryPolicy::default();
         let mut swept = ExpiredObjects::default();
         let mut continuation: Option<String> = None;
         loop {
-            if stop.is_some_and(|stop| stop.load(Ordering::Acquire)) {
+            if stop.is_some_and(CancellationToken::is_cancelled) {
                 return Ok(swept);
             }
             let call = CallLabel::new("ListObjectsV2", prefix);
@@ -449,7 +445,7 @@ fn is_unsupported<E: ProvideErrorMetadata>(
 pub async fn start_retention(
     settings: &S3Settings,
     prefixes: &'static [&'static str],
-    stop: Arc<AtomicBool>,
+    stop: CancellationToken,
 ) -> JoinHandle<()> {
     let bucket = S3Bucket::new(crate::build_client(settings).await, &settings.bucket);
     spawn_retention(bucket, Retention::from_settings(settings), prefixes, stop)
@@ -461,7 +457,7 @@ pub fn spawn_retention(
     bucket: S3Bucket,
     retention: Retention,
     prefixes: &'static [&'static str],
-    stop: Arc<AtomicBool>,
+    stop: CancellationToken,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let Some(keep_for) = retention.keep_for else {
@@ -494,7 +490,7 @@ pub fn spawn_retention(
                 tracing::warn!(bucket = %bucket.name(), days, sweep_every_s = retention.sweep_every.as_secs(), error = %error, "retention: lifecycle rules could not be put; sweeping instead");
             }
         }
-        while !stop.load(Ordering::Acquire) {
+        while !stop.is_cancelled() {
             match bucket
                 .expire_older_than_until(prefixes, keep_for, Some(&stop))
                 .await
@@ -506,22 +502,13 @@ pub fn spawn_retention(
                     tracing::warn!(bucket = %bucket.name(), error = %error, "retention sweep failed; trying again at the next interval")
                 }
             }
-            wait_or_stop(retention.sweep_every, &stop).await;
+            // Sleeps the period, or less once stopped.
+            let _ = stop
+                .run_until_cancelled(tokio::time::sleep(retention.sweep_every))
+                .await;
         }
         tracing::debug!(bucket = %bucket.name(), "retention task stopped");
     })
-}
-
-/// Sleeps `period`, or less once `stop` is raised.
-async fn wait_or_stop(period: Duration, stop: &AtomicBool) {
-    let deadline = tokio::time::Instant::now() + period;
-    while !stop.load(Ordering::Acquire) {
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return;
-        }
-        tokio::time::sleep((deadline - now).min(STOP_POLL)).await;
-    }
 }
 
 #[cfg(test)]
@@ -576,16 +563,5 @@ mod tests {
             .build()
             .unwrap();
         assert!(!is_ours(&foreign));
-    }
-
-    #[tokio::test]
-    async fn a_waiting_task_wakes_up_when_stopped() {
-        let stop = AtomicBool::new(true);
-        let woke = tokio::time::timeout(
-            Duration::from_secs(60),
-            wait_or_stop(Duration::from_secs(3600), &stop),
-        )
-        .await;
-        assert!(woke.is_ok(), "a raised stop flag ends the wait");
     }
 }

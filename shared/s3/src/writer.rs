@@ -840,7 +840,7 @@ async fn abort_upload(
     upload: Option<OpenUpload>,
     reason: &str,
 ) -> Result<(), WriterError> {
-    target.abandoned.stop();
+    target.abandoned.cancel();
     let upload_id: Arc<str> = match (upload, creation) {
         (Some(mut upload), _) => {
             let parts_ended = tokio::time::timeout(ABORT_GRACE_PERIOD, async {
