@@ -334,7 +334,7 @@ impl Drop for KafkaProcess {
 
 /// Creates `specs` through `bootstrap` and waits until every partition has
 /// a leader and as many in-sync replicas as the spec asks for.
-async fn create_topics_on(bootstrap: &str, specs: &[TopicSpec]) {
+pub(crate) async fn create_topics_on(bootstrap: &str, specs: &[TopicSpec]) {
     let settings = KafkaSettings::for_bootstrap(bootstrap);
     quire_queue::ensure_topics(&settings, specs)
         .await

@@ -45,31 +45,29 @@ impl TestStack {
     /// The same, on a test's private broker instead of the stack's: the
     /// services of this stack use `broker`, and the topics go with it.
     pub async fn create_on(prefix: &str, broker: &KafkaProcess) -> TestStack {
-        let topics = Self::topic_names(prefix);
-        broker
-            .create_topics(&quire_queue::design_topics(&topics, 1))
-            .await;
-        TestStack {
-            topics,
-            bucket: TestBucket::create(prefix).await,
-            group: unique(&format!("test.{prefix}.workers")),
-            kafka: broker.settings(),
-            _topics: Vec::new(),
-        }
+        Self::create_on_private(prefix, &broker.bootstrap, 1).await
     }
 
     /// The same, on a test's private [`KafkaCluster`]: every topic with one
     /// replica per node.
     pub async fn create_on_cluster(prefix: &str, cluster: &KafkaCluster) -> TestStack {
+        Self::create_on_private(prefix, &cluster.bootstrap, 3).await
+    }
+
+    /// Topics of `replication` replicas created through `bootstrap` (they go
+    /// with the private brokers' data), and a bucket.
+    async fn create_on_private(prefix: &str, bootstrap: &str, replication: i32) -> TestStack {
         let topics = Self::topic_names(prefix);
-        cluster
-            .create_topics(&quire_queue::design_topics(&topics, 3))
-            .await;
+        crate::kafka_process::create_topics_on(
+            bootstrap,
+            &quire_queue::design_topics(&topics, replication),
+        )
+        .await;
         TestStack {
             topics,
             bucket: TestBucket::create(prefix).await,
             group: unique(&format!("test.{prefix}.workers")),
-            kafka: cluster.settings(),
+            kafka: KafkaSettings::for_bootstrap(bootstrap),
             _topics: Vec::new(),
         }
     }

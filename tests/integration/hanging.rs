@@ -37,22 +37,33 @@ fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(operation)
 }
 
-/// Whether the record `seq` of `stream` is readable under read_committed.
-async fn readable(broker: &KafkaProcess, topic: &str, stream: &str, seq: u64) -> bool {
+/// The messages of `stream`, read_committed or not.
+async fn messages_of(
+    broker: &KafkaProcess,
+    topic: &str,
+    stream: &str,
+    read_committed: bool,
+) -> Vec<quire_tests::Seen> {
     let settings = broker.settings();
     let topic = topic.to_owned();
     let stream = stream.to_owned();
     blocking(move || {
-        read_all(&settings, &topic, RECORDS_PARTITIONS, true)
-            .iter()
+        read_all(&settings, &topic, RECORDS_PARTITIONS, read_committed)
+            .into_iter()
             .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
-            .filter_map(|message| {
-                serde_json::from_slice::<serde_json::Value>(&message.payload).ok()
-            })
-            .any(|record| record["seq"].as_u64() == Some(seq))
+            .collect()
     })
     .await
     .unwrap()
+}
+
+/// Whether the record `seq` of `stream` is readable under read_committed.
+async fn readable(broker: &KafkaProcess, topic: &str, stream: &str, seq: u64) -> bool {
+    messages_of(broker, topic, stream, true)
+        .await
+        .iter()
+        .filter_map(|message| serde_json::from_slice::<serde_json::Value>(&message.payload).ok())
+        .any(|record| record["seq"].as_u64() == Some(seq))
 }
 
 /// What happens to the API across a round's broker crash.
@@ -67,17 +78,10 @@ enum Api {
 
 /// Where the array of `stream` was written, read_uncommitted.
 async fn written_at(broker: &KafkaProcess, topic: &str, stream: &str) -> Option<i64> {
-    let settings = broker.settings();
-    let topic = topic.to_owned();
-    let stream = stream.to_owned();
-    blocking(move || {
-        read_all(&settings, &topic, RECORDS_PARTITIONS, false)
-            .iter()
-            .find(|message| message.key.as_deref() == Some(stream.as_bytes()))
-            .map(|message| message.offset)
-    })
-    .await
-    .unwrap()
+    messages_of(broker, topic, stream, false)
+        .await
+        .first()
+        .map(|message| message.offset)
 }
 
 /// `ROUNDS` rounds of "POST one record, SIGKILL the broker at the 200,

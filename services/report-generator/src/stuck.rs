@@ -67,13 +67,13 @@ impl StuckWatch {
                 }
                 continue;
             }
-            let entry = match self.behind.get(&partition.partition) {
+            // The clock starts afresh whenever the stable offset moves.
+            let (offset, since, mut reported) = match self.behind.get(&partition.partition) {
                 Some(&(offset, since, reported)) if offset == partition.last_stable_offset => {
                     (offset, since, reported)
                 }
                 _ => (partition.last_stable_offset, now, false),
             };
-            let (offset, since, mut reported) = entry;
             let for_how_long = now.saturating_duration_since(since);
             if for_how_long > self.limit {
                 if !reported {

@@ -1,6 +1,6 @@
 //! A transactional producer: one array, one transaction.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -132,8 +132,6 @@ struct Inner {
     release: Option<Release>,
     /// A release of the producer's partitions is due (a failed one).
     release_pending: AtomicBool,
-    /// Releases committed.
-    releases: AtomicU64,
 }
 
 /// Consumer offsets to commit inside a transaction, with the consumer's group
@@ -185,7 +183,6 @@ impl TransactionalProducer {
             fatal: AtomicBool::new(false),
             release_pending: AtomicBool::new(options.release.is_some()),
             release: options.release,
-            releases: AtomicU64::new(0),
         });
         let producer = TransactionalProducer { inner };
         if producer.release_is_due() {
@@ -219,11 +216,6 @@ impl TransactionalProducer {
         if self.inner.release.is_some() {
             self.inner.release_pending.store(true, Ordering::Release);
         }
-    }
-
-    /// Releases committed since the producer connected.
-    pub fn releases(&self) -> u64 {
-        self.inner.releases.load(Ordering::Relaxed)
     }
 
     /// False once the producer is fenced, or its transaction state is no
@@ -321,7 +313,6 @@ impl Inner {
         self.wait_for_leaders(&release.messages, release.patience)?;
         self.transact_locked(&release.messages, None, release.patience)?;
         self.release_pending.store(false, Ordering::Release);
-        self.releases.fetch_add(1, Ordering::Relaxed);
         if let Some(on_release) = &release.on_release {
             on_release();
         }

@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use aws_runtime::auth::PayloadSigningOverride;
 use aws_sdk_s3::Client;
@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
-use crate::policy::RetryPolicy;
+use crate::policy::{RetryPolicy, UploadPolicy};
 
 type HttpResponse = aws_sdk_s3::config::http::HttpResponse;
 
@@ -52,13 +52,11 @@ impl UploadTarget {
         bucket: String,
         key: String,
         content_type: Option<String>,
-        retry: RetryPolicy,
-        attempt_timeout: Duration,
-        sign_payload: bool,
+        policy: &UploadPolicy,
         counters: Arc<WriterCounters>,
     ) -> Self {
         let mut timeouts = TimeoutConfig::builder()
-            .operation_attempt_timeout(attempt_timeout)
+            .operation_attempt_timeout(policy.attempt_timeout)
             .build();
         if let Some(client_timeouts) = client.config().timeout_config() {
             timeouts.take_defaults_from(client_timeouts);
@@ -68,9 +66,9 @@ impl UploadTarget {
             bucket,
             key,
             content_type,
-            retry,
+            retry: policy.retry.clone(),
             counters,
-            sign_payload,
+            sign_payload: policy.sign_payload,
             abandoned: CancellationToken::new(),
             timeouts,
         }

@@ -152,16 +152,7 @@ impl MultipartWriter {
                     policy.part_size()
                 ),
             })?;
-        let target = UploadTarget::new(
-            client,
-            bucket,
-            key,
-            content_type,
-            policy.retry.clone(),
-            policy.attempt_timeout,
-            policy.sign_payload,
-            counters,
-        );
+        let target = UploadTarget::new(client, bucket, key, content_type, policy, counters);
         Ok(MultipartWriter {
             target: Arc::new(target),
             part_size,
