@@ -1,5 +1,10 @@
-//! Helpers shared by the integration tests and the benchmarks: settings from
-//! the running local stack, unique names, and topics that clean up after
+//! Helpers shared by the integration tests and the benchmarks, by job:
+//! [`stack`] (unique topics, bucket and group, and the typed settings of
+//! their services), [`services`] (starting the real binaries with those
+//! settings), [`client`] (requests to a started API), [`observe`] (what a
+//! run left in Kafka and S3, and the exactly-once checks), [`kafka_process`]
+//! (private brokers a test may crash) and [`s3`]; here, settings from the
+//! running local stack, unique names, and topics that clean up after
 //! themselves.
 //!
 //! Nothing here skips: a test that needs Kafka and cannot reach it fails,
@@ -321,9 +326,19 @@ pub async fn delete_records_before(
         element.error().expect("delete records of a partition");
     }
 }
+pub mod client;
 pub mod kafka_process;
-pub mod pipeline;
+pub mod observe;
 pub mod s3;
+pub mod services;
+pub mod stack;
+
+pub use client::{Answer, Attempt, NoAnswer};
+pub use observe::{Observed, Report};
+pub use services::{
+    ApiProcess, InProcessWorker, Launch, Service, WorkerProcess, environment_of, release_binary,
+};
+pub use stack::{TestStack, partition_of, records};
 
 /// Prints a test's measured figures (one line, e.g. `soak: ...`) past the
 /// test harness's capture, so they appear in the log of a passing run too:

@@ -8,110 +8,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quire_tests::pipeline::{Report, TestStack, records, release_binary};
+use quire_tests::{ApiProcess, Report, TestStack, records, release_binary};
 use quire_tests::{read_all, unique};
 use serde_json::{Value, json};
 
 const OPENAPI_YAML: &str = include_str!("../../services/producer-api/openapi.yaml");
 const RECORDS_PARTITIONS: i32 = 12;
-
-/// A producer API started from the release binary with extra settings.
-struct Api {
-    child: Child,
-    base: String,
-    port: u16,
-    http: reqwest::Client,
-}
-
-impl Api {
-    async fn start(stack: &TestStack, extra: &[(&str, &str)]) -> Api {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
-        let mut command = Command::new(release_binary("producer-api"));
-        command
-            .envs(stack.environment())
-            .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
-            .env(
-                "RUST_LOG",
-                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null());
-        for (key, value) in extra {
-            command.env(key, value);
-        }
-        let api = Api {
-            child: command.spawn().expect("start producer-api"),
-            base: format!("http://127.0.0.1:{port}"),
-            port,
-            http: reqwest::Client::new(),
-        };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(response) = api.http.get(api.url("/healthz")).send().await
-                && response.status().is_success()
-            {
-                return api;
-            }
-            assert!(Instant::now() < deadline, "producer-api did not start");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// POSTs `body` (JSON) with an optional key; status, headers, body.
-    async fn post(
-        &self,
-        path: &str,
-        body: &Value,
-        key: Option<&[u8]>,
-    ) -> (u16, reqwest::header::HeaderMap, Value) {
-        let mut request = self.http.post(self.url(path)).json(body);
-        if let Some(key) = key {
-            request = request.header(
-                "idempotency-key",
-                reqwest::header::HeaderValue::from_bytes(key).expect("header value"),
-            );
-        }
-        let response = request.send().await.expect("POST");
-        let status = response.status().as_u16();
-        let headers = response.headers().clone();
-        (
-            status,
-            headers,
-            response.json().await.unwrap_or(Value::Null),
-        )
-    }
-
-    async fn metric(&self, name: &str) -> Option<f64> {
-        let text = self
-            .http
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics text");
-        text.lines()
-            .find_map(|line| line.strip_prefix(&format!("{name} ")))
-            .and_then(|value| value.trim().parse().ok())
-    }
-}
-
-impl Drop for Api {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Every committed message on the stack's records topic, as JSON, keyed by
 /// stream.
@@ -138,7 +43,7 @@ fn sequence_numbers(bodies: &[Value]) -> Vec<u64> {
 #[tokio::test]
 async fn a_retried_array_is_answered_once_and_published_once() {
     let stack = TestStack::create("api-idem").await;
-    let api = Api::start(&stack, &[]).await;
+    let api = stack.start_api().await;
     let stream = unique("idem");
     let path = format!("/v1/streams/{stream}/records");
     let array = json!(records(&stream, 0, 25));
@@ -180,7 +85,7 @@ async fn a_retried_array_is_answered_once_and_published_once() {
 #[tokio::test]
 async fn a_retried_cut_is_one_marker_with_one_report_id() {
     let stack = TestStack::create("api-cut").await;
-    let api = Api::start(&stack, &[]).await;
+    let api = stack.start_api().await;
     let stream = unique("cut");
     let path = format!("/v1/streams/{stream}/reports");
     let (status, headers, first) = api.post(&path, &Value::Null, Some(b"cut-1")).await;
@@ -203,7 +108,7 @@ async fn a_retried_cut_is_one_marker_with_one_report_id() {
 #[tokio::test]
 async fn invalid_idempotency_keys_are_400_and_publish_nothing() {
     let stack = TestStack::create("api-keys").await;
-    let api = Api::start(&stack, &[]).await;
+    let api = stack.start_api().await;
     let stream = unique("keys");
     let path = format!("/v1/streams/{stream}/records");
     let array = json!(records(&stream, 0, 2));
@@ -242,21 +147,21 @@ fn body_of_length(stream: &str, seq: u64, length: usize) -> Vec<u8> {
 #[tokio::test]
 async fn a_request_that_does_not_fit_in_flight_is_429_and_never_queued() {
     let stack = TestStack::create("api-busy").await;
-    let api = Api::start(
-        &stack,
-        &[
-            ("QUIRE_API__MAX_IN_FLIGHT_BYTES", "4096"),
-            ("QUIRE_API__MAX_BODY_BYTES", "4096"),
-        ],
-    )
-    .await;
+    let api = stack
+        .api()
+        .with(|settings| {
+            settings.api.max_in_flight_bytes = 4096;
+            settings.api.max_body_bytes = 4096;
+        })
+        .start_api()
+        .await;
     let stream = unique("busy");
     let path = format!("/v1/streams/{stream}/records");
     let slow_body = body_of_length(&stream, 0, 3000);
 
     // A client that has sent its headers and half its body holds its
     // declared 3000 bytes while the API waits for the rest.
-    let mut slow = TcpStream::connect(("127.0.0.1", api.port)).expect("connect");
+    let mut slow = TcpStream::connect(("127.0.0.1", api.port())).expect("connect");
     write!(
         slow,
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 3000\r\nConnection: close\r\n\r\n"
@@ -322,13 +227,17 @@ async fn a_request_that_does_not_fit_in_flight_is_429_and_never_queued() {
 #[tokio::test]
 async fn a_body_that_stops_arriving_is_408_and_gives_its_bytes_back() {
     let stack = TestStack::create("api-slow-body").await;
-    let api = Api::start(&stack, &[("QUIRE_API__BODY_READ_TIMEOUT_MS", "1000")]).await;
+    let api = stack
+        .api()
+        .with(|settings| settings.api.body_read_timeout_ms = 1000)
+        .start_api()
+        .await;
     let stream = unique("slow-body");
     let path = format!("/v1/streams/{stream}/records");
     let body = body_of_length(&stream, 0, 3000);
 
     // Headers and half the body, then nothing: the API stops waiting.
-    let mut slow = TcpStream::connect(("127.0.0.1", api.port)).expect("connect");
+    let mut slow = TcpStream::connect(("127.0.0.1", api.port())).expect("connect");
     write!(
         slow,
         "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 3000\r\nConnection: close\r\n\r\n"
@@ -366,7 +275,7 @@ fn documented_operations(document: &Value) -> BTreeMap<(String, String), BTreeSe
 #[tokio::test]
 async fn the_openapi_document_is_served_and_matches_the_routes() {
     let stack = TestStack::create("api-openapi").await;
-    let api = Api::start(&stack, &[]).await;
+    let api = stack.start_api().await;
 
     let served_yaml = api
         .http
@@ -481,7 +390,7 @@ async fn the_openapi_document_is_served_and_matches_the_routes() {
 }
 
 /// Runs the `quire` binary against `api`; its exit code and stdout.
-fn quire(api: &Api, arguments: &[&str]) -> (i32, String, String) {
+fn quire(api: &ApiProcess, arguments: &[&str]) -> (i32, String, String) {
     let output = Command::new(release_binary("quire"))
         .arg("--api")
         .arg(&api.base)
@@ -499,7 +408,7 @@ fn quire(api: &Api, arguments: &[&str]) -> (i32, String, String) {
 
 /// Cuts with the CLI, waits for the report, downloads it with the CLI and
 /// returns its records' sequence numbers, sorted.
-async fn cut_and_fetch(api: &Api, stream: &str, directory: &std::path::Path) -> Vec<u64> {
+async fn cut_and_fetch(api: &ApiProcess, stream: &str, directory: &std::path::Path) -> Vec<u64> {
     let (code, stdout, stderr) = quire(api, &["cut", "-s", stream, "--json"]);
     assert_eq!(code, 0, "quire cut: {stderr}");
     let cut: Value = serde_json::from_str(stdout.trim()).expect("cut JSON");
@@ -537,8 +446,8 @@ async fn cut_and_fetch(api: &Api, stream: &str, directory: &std::path::Path) -> 
 #[tokio::test]
 async fn the_cli_sends_cuts_and_gets_and_a_resumed_send_is_not_doubled() {
     let stack = TestStack::create("api-cli").await;
-    let api = Api::start(&stack, &[]).await;
-    let mut worker = stack.spawn_worker("cli-worker", &[], false);
+    let api = stack.start_api().await;
+    let mut worker = stack.worker("cli-worker").spawn();
     let directory = std::env::temp_dir().join(unique("quire-cli-test"));
     std::fs::create_dir_all(&directory).unwrap();
 
@@ -650,7 +559,7 @@ async fn the_cli_sends_cuts_and_gets_and_a_resumed_send_is_not_doubled() {
 
 /// POSTs an array; status, `Retry-After`, error code.
 async fn post_array(
-    api: &Api,
+    api: &ApiProcess,
     stream: &str,
     first: u64,
     key: &str,
@@ -704,7 +613,7 @@ async fn while_kafka_is_away_publishing_is_503_at_once_and_the_api_recovers_alon
             .await
             .unwrap();
     let stack = TestStack::create_on("api-away", &broker).await;
-    let api = Api::start(&stack, &[]).await;
+    let api = stack.start_api().await;
     let stream = unique("away");
     let (status, _, before) = post_array(&api, &stream, 0, "before").await;
     assert_eq!(status, 200, "{before}");

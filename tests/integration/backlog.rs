@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use quire_tests::pipeline::{Observed, TestStack};
+use quire_config::Settings;
+use quire_tests::{Observed, TestStack};
 use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(240);
@@ -61,10 +62,9 @@ async fn a_backlog_far_past_the_byte_rollover_is_cut_inline_and_replays_cut_the_
         .await;
     }
     let total = ARRAYS * PER_ARRAY;
-    let rollover = ROLLOVER_BYTES.to_string();
-    let settings = [("QUIRE_WORKER__ROLLOVER_BYTES", rollover.as_str())];
+    let rollover = |settings: &mut Settings| settings.worker.rollover_bytes = ROLLOVER_BYTES;
 
-    let mut worker = stack.spawn_worker("w1", &settings, true);
+    let mut worker = stack.worker("w1").with(rollover).drain().spawn();
     assert_eq!(
         worker.wait(LONG),
         Some(0),
@@ -109,10 +109,12 @@ async fn a_backlog_far_past_the_byte_rollover_is_cut_inline_and_replays_cut_the_
     // A replay by another group, from the same log, into another bucket:
     // the same cuts, so the same keys and the same bytes.
     let replay = TestStack::create("backlog-replay").await;
-    let records_topic = stack.topics.records.clone();
-    let mut replay_settings = settings.to_vec();
-    replay_settings.push(("QUIRE_KAFKA__TOPICS__RECORDS", records_topic.as_str()));
-    let mut again = replay.spawn_worker("w2", &replay_settings, true);
+    let mut again = replay
+        .worker("w2")
+        .with(rollover)
+        .with(|settings| settings.kafka.topics.records = stack.topics.records.clone())
+        .drain()
+        .spawn();
     assert_eq!(again.wait(LONG), Some(0), "the replay drains and exits 0");
     let replayed = replay
         .wait_for("every record reported again", LONG, |observed| {

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use quire_tests::pipeline::{TestStack, records};
+use quire_tests::{TestStack, records};
 
 const DASHBOARD: &str = include_str!("../../deploy/grafana/quire-dashboard.json");
 const PROMETHEUS: &str = include_str!("../../deploy/prometheus/prometheus.yml");
@@ -94,11 +94,10 @@ async fn every_metric_the_dashboard_queries_is_exported_by_a_service() {
     // with frequent statistics, and scrape until every name is there.
     let stack = TestStack::create("dashboard").await;
     let api = stack.start_api().await;
-    let (mut worker, worker_base) = stack.spawn_monitored_worker(
-        "dashboard-1",
-        &[("QUIRE_WORKER__STATISTICS_INTERVAL_MS", "300")],
-        false,
-    );
+    let (mut worker, worker_base) = stack
+        .worker("dashboard-1")
+        .with(|settings| settings.worker.statistics_interval_ms = 300)
+        .spawn_monitored();
     let stream = quire_tests::unique("dashboard");
     api.send_ok(&stream, &records(&stream, 0, 20)).await;
     let report = api.cut(&stream).await;

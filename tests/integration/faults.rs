@@ -11,11 +11,9 @@ use std::time::{Duration, Instant};
 use quire_messages::{DeadLetter, HEADER_KIND, HEADER_VERSION};
 use quire_queue::{MessageId, OutMessage, TransactionalProducer};
 use quire_tests::kafka_process::{KafkaCluster, KafkaProcess, transaction_state_partition};
-use quire_tests::pipeline::{
-    ApiProcess, Attempt, Observed, TestStack, WorkerProcess, partition_of, records,
-};
 use quire_tests::read_all;
 use quire_tests::s3::{Fault, FaultProxy, ProxyMode};
+use quire_tests::{ApiProcess, Attempt, Observed, TestStack, WorkerProcess, partition_of, records};
 use serde_json::{Value, json};
 
 /// How long one request may take before the client gives up on it: an API
@@ -207,7 +205,7 @@ async fn kafka_stopped_and_restarted_mid_run_loses_and_doubles_nothing() {
     let mut broker = blocking(KafkaProcess::start_new);
     let stack = TestStack::create_on("fault-kafka", &broker).await;
     let api = Arc::new(stack.start_api().await);
-    let mut worker = stack.spawn_worker("w1", &[], false);
+    let mut worker = stack.worker("w1").spawn();
     let stop = Arc::new(AtomicBool::new(false));
     let senders: Vec<_> = (0..3)
         .map(|index| {
@@ -339,15 +337,14 @@ async fn s3_errors_delays_resets_and_an_outage_damage_no_report_and_lose_nothing
     let proxy = FaultProxy::switchable(&stack.bucket.settings.endpoint).await;
     // The API reads S3 directly; only the worker goes through the proxy.
     let api = Arc::new(stack.start_api().await);
-    let mut worker = stack.spawn_worker(
-        "w1",
-        &[
-            ("QUIRE_S3__ENDPOINT", &proxy.endpoint),
+    let mut worker = stack
+        .worker("w1")
+        .with(|settings| {
+            settings.s3.endpoint = proxy.endpoint.clone();
             // About 9.6 MB of padded records: two parts of 8 MiB.
-            ("QUIRE_WORKER__ROLLOVER_RECORDS", "6000"),
-        ],
-        false,
-    );
+            settings.worker.rollover_records = 6000;
+        })
+        .spawn();
     let stop = Arc::new(AtomicBool::new(false));
     let large = stream_name("large");
     let small: Vec<String> = (0..2)
@@ -556,7 +553,7 @@ fn assert_dead_lettered(
 async fn poison_messages_go_to_dead_letters_and_the_stream_goes_on() {
     let stack = TestStack::create("fault-poison").await;
     let api = stack.start_api().await;
-    let mut worker = stack.spawn_worker("w1", &[], false);
+    let mut worker = stack.worker("w1").spawn();
     let stream = stream_name("poison");
     let topic = stack.topics.records.clone();
     let record_headers = [(HEADER_KIND, "record"), (HEADER_VERSION, "1")];
@@ -686,7 +683,7 @@ async fn poison_messages_go_to_dead_letters_and_the_stream_goes_on() {
 async fn a_record_of_a_newer_version_is_a_dead_letter_naming_its_version() {
     let stack = TestStack::create("fault-version").await;
     let api = stack.start_api().await;
-    let mut worker = stack.spawn_worker("w1", &[], false);
+    let mut worker = stack.worker("w1").spawn();
     let stream = stream_name("version");
     let topic = stack.topics.records.clone();
     const NEWER_SEQ: u64 = 9999;
@@ -808,13 +805,10 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
 {
     let mut cluster = blocking(|| KafkaCluster::start_new(3));
     let stack = TestStack::create_on_cluster("fault-3b", &cluster).await;
-    let prefix = quire_tests::unique("test-api-3b");
-    let api = Arc::new(
-        stack
-            .start_api_with(&[("QUIRE_API__TRANSACTIONAL_ID_PREFIX", prefix.as_str())])
-            .await,
-    );
-    let (mut worker, base) = stack.spawn_monitored_worker("w1", &[], false);
+    let launch = stack.api();
+    let prefix = launch.settings.api.transactional_id_prefix.clone();
+    let api = Arc::new(launch.start_api().await);
+    let (mut worker, base) = stack.worker("w1").spawn_monitored();
     let stop = Arc::new(AtomicBool::new(false));
     let streams: Vec<String> = (0..3)
         .map(|index| stream_name(&format!("b3{index}")))

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use quire_tests::pipeline::{Observed, TestStack, partition_of, records};
 use quire_tests::read_all;
+use quire_tests::{Launch, Observed, TestStack, partition_of, records};
 use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(90);
@@ -99,11 +99,7 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
         .unwrap();
     let mut sent: BTreeMap<String, Vec<u64>> = BTreeMap::new();
 
-    let mut zombie = stack.spawn_worker(
-        "w1",
-        &[("QUIRE_WORKER_FAILPOINT", "pause-before-commit")],
-        false,
-    );
+    let mut zombie = stack.worker("w1").failpoint("pause-before-commit").spawn();
     api.put_definition(&reported, json!({"root": "before"}))
         .await;
     api.send_ok(&pinned, &records(&pinned, 0, 5)).await;
@@ -148,7 +144,7 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
 
     // W2 takes the partition over once W1's session times out, renders the
     // report again and announces it; then the partition moves on.
-    let mut successor = stack.spawn_worker("w2", &[], false);
+    let mut successor = stack.worker("w2").spawn();
     stack
         .wait_for("the successor's announcement", LONG, |observed| {
             events_of(observed, &first) == 1
@@ -191,7 +187,7 @@ async fn a_worker_frozen_before_its_commit_commits_nothing_once_its_partition_mo
 
     // A later owner starts from what is committed: the later definition,
     // and nothing reported twice.
-    let _later = stack.spawn_worker("w3", &[], false);
+    let _later = stack.worker("w3").spawn();
     api.send_ok(&reported, &records(&reported, 20, 10)).await;
     sent.get_mut(&reported).unwrap().extend(20..30);
     let third = api.cut(&reported).await;
@@ -222,19 +218,13 @@ struct LoggedWorker {
 }
 
 impl LoggedWorker {
-    fn spawn(stack: &TestStack, replica: &str, extra: &[(&str, &str)]) -> LoggedWorker {
-        let mut command =
-            std::process::Command::new(quire_tests::pipeline::release_binary("report-generator"));
-        command
-            .envs(stack.environment())
-            .env("QUIRE_WORKER__REPLICA_ID", replica)
+    fn spawn(launch: Launch) -> LoggedWorker {
+        let mut child = launch
+            .command()
             .env("RUST_LOG", "warn")
-            .stdin(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped());
-        for (key, value) in extra {
-            command.env(key, value);
-        }
-        let mut child = command.spawn().expect("start report-generator");
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start report-generator");
         let stderr = child.stderr.take().expect("piped stderr");
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let sink = std::sync::Arc::clone(&log);
@@ -262,10 +252,14 @@ impl Drop for LoggedWorker {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_with_one_replica_id_stop_fencing_each_other_and_say_why() {
     let stack = TestStack::create("fence-twins").await;
-    let quick = [("QUIRE_WORKER__RESTART_BACKOFF_INITIAL_MS", "200")];
-    let mut first = LoggedWorker::spawn(&stack, "twin", &quick);
+    let twin = || {
+        stack
+            .worker("twin")
+            .with(|settings| settings.worker.restart_backoff_initial_ms = 200)
+    };
+    let mut first = LoggedWorker::spawn(twin());
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let mut second = LoggedWorker::spawn(&stack, "twin", &quick);
+    let mut second = LoggedWorker::spawn(twin());
     let deadline = Instant::now() + Duration::from_secs(150);
     let (status, log) = loop {
         if let Some(status) = first.child.try_wait().expect("try_wait") {

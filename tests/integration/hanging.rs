@@ -20,7 +20,7 @@
 use std::time::{Duration, Instant};
 
 use quire_tests::kafka_process::KafkaProcess;
-use quire_tests::pipeline::{TestStack, partition_of};
+use quire_tests::{TestStack, partition_of};
 use quire_tests::{read_all, unique};
 use serde_json::json;
 
@@ -90,12 +90,9 @@ async fn written_at(broker: &KafkaProcess, topic: &str, stream: &str) -> Option<
 async fn crash_rounds(prefix: &str, api_fate: Api) -> Outcome {
     let broker = blocking(KafkaProcess::start_new).await.unwrap();
     let stack = TestStack::create_on(prefix, &broker).await;
-    let transactional_prefix = unique("test-api-hang");
-    let extra = [(
-        "QUIRE_API__TRANSACTIONAL_ID_PREFIX",
-        transactional_prefix.as_str(),
-    )];
-    let mut api = Some(stack.start_api_with(&extra).await);
+    // Every API of the test is "the same" replica: one transactional id.
+    let launch = stack.api();
+    let mut api = Some(launch.clone().start_api().await);
     let mut broker = Some(broker);
     let mut stuck = Vec::new();
     let mut lost = Vec::new();
@@ -139,7 +136,7 @@ async fn crash_rounds(prefix: &str, api_fate: Api) -> Outcome {
         .unwrap();
         let back = Instant::now();
         if restart_api {
-            api = Some(stack.start_api_with(&extra).await);
+            api = Some(launch.clone().start_api().await);
         }
         loop {
             if readable(&killed, &stack.topics.records, &stream, seq).await {

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use quire_messages::{HEADER_KIND, HEADER_VERSION, MessageKind};
-use quire_tests::pipeline::TestStack;
+use quire_tests::TestStack;
 use quire_tests::{read_all, unique};
 use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -190,18 +190,15 @@ async fn a_backlog_far_larger_than_the_memory_budget_is_reported_within_it() {
     let queued_in = started.elapsed();
     let spill_dir = std::env::temp_dir().join(unique("quire-test-spill"));
     let spill_dir_text = spill_dir.display().to_string();
-    let budget_text = BUDGET.to_string();
     let drain_started = Instant::now();
-    let (mut worker, metrics_base) = stack.spawn_monitored_worker(
-        "memory-0",
-        &[
-            ("QUIRE_WORKER__MEMORY_BUDGET_BYTES", budget_text.as_str()),
-            // The default spill directory, `quire-spill` of the temp dir,
-            // in a temp dir of the test's own.
-            ("TMPDIR", spill_dir_text.as_str()),
-        ],
-        true,
-    );
+    let (mut worker, metrics_base) = stack
+        .worker("memory-0")
+        .with(|settings| settings.worker.memory_budget_bytes = BUDGET)
+        // The default spill directory, `quire-spill` of the temp dir, in a
+        // temp dir of the test's own.
+        .variable("TMPDIR", &spill_dir_text)
+        .drain()
+        .spawn_monitored();
     let http = reqwest::Client::new();
     let mut peak = 0u64;
     let mut counted = Counted::default();

@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use quire_tests::pipeline::{Observed, TestStack, partition_of, records};
+use quire_config::Settings;
 use quire_tests::s3::TestBucket;
+use quire_tests::{Observed, TestStack, partition_of, records};
 use quire_tests::{TestTopic, unique};
 use serde_json::json;
 
@@ -31,7 +32,7 @@ fn reports_of(observed: &Observed, stream: &str) -> usize {
 async fn three_arrays_then_a_cut_make_one_report_with_exactly_those_records() {
     let stack = TestStack::create("e2e-basic").await;
     let api = stack.start_api().await;
-    let _worker = stack.spawn_worker("w1", &[], false);
+    let _worker = stack.worker("w1").spawn();
     let stream = stream_name("orders");
     let mut ids = Vec::new();
     for array in 0..3 {
@@ -90,7 +91,7 @@ async fn three_arrays_then_a_cut_make_one_report_with_exactly_those_records() {
 async fn an_array_with_one_bad_record_is_refused_and_none_of_it_is_reported() {
     let stack = TestStack::create("e2e-bad").await;
     let api = stack.start_api().await;
-    let _worker = stack.spawn_worker("w1", &[], false);
+    let _worker = stack.worker("w1").spawn();
     let stream = stream_name("bad");
     let mut array = records(&stream, 0, 3);
     array[1] = json!({"stream": stream, "seq": 1, "text": "bell \u{0007} is not XML"});
@@ -118,7 +119,7 @@ async fn an_array_with_one_bad_record_is_refused_and_none_of_it_is_reported() {
 async fn two_streams_on_one_partition_cut_at_different_moments_keep_their_own_records() {
     let stack = TestStack::create("e2e-interleave").await;
     let api = stack.start_api().await;
-    let _worker = stack.spawn_worker("w1", &[], false);
+    let _worker = stack.worker("w1").spawn();
     let first = stream_name("left");
     let target = partition_of(&first, 12);
     let second = (0..)
@@ -174,14 +175,13 @@ async fn two_streams_on_one_partition_cut_at_different_moments_keep_their_own_re
 async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
     let stack = TestStack::create("e2e-rollover").await;
     let api = stack.start_api().await;
-    let _worker = stack.spawn_worker(
-        "w1",
-        &[
-            ("QUIRE_WORKER__ROLLOVER_RECORDS", "10"),
-            ("QUIRE_WORKER__ROLLOVER_AGE_MS", "3000"),
-        ],
-        false,
-    );
+    let _worker = stack
+        .worker("w1")
+        .with(|settings| {
+            settings.worker.rollover_records = 10;
+            settings.worker.rollover_age_ms = 3000;
+        })
+        .spawn();
     let stream = stream_name("roll");
     // Past the count: the document ends at its 10th record without any cut
     // request (decided inline: no marker, the id names that record).
@@ -233,7 +233,7 @@ async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
 async fn a_definition_applies_from_the_next_document_and_a_replay_renders_the_same_bytes() {
     let stack = TestStack::create("e2e-definition").await;
     let api = stack.start_api().await;
-    let worker = stack.spawn_worker("w1", &[], false);
+    let worker = stack.worker("w1").spawn();
     let stream = stream_name("defs");
     api.send_ok(&stream, &records(&stream, 0, 5)).await;
     // Changed while the first document is open: it applies to the next one.
@@ -272,22 +272,15 @@ async fn a_definition_applies_from_the_next_document_and_a_replay_renders_the_sa
         TestTopic::create_with("replay-watermarks", 12, &watermark_settings).await;
     let replay_events = TestTopic::create("replay-events", 3).await;
     let replay_group = unique("replay");
-    let _replayer = stack.spawn_worker(
-        "replayer",
-        &[
-            ("QUIRE_S3__BUCKET", replay_bucket.name.as_str()),
-            (
-                "QUIRE_KAFKA__TOPICS__WATERMARKS",
-                replay_watermarks.name.as_str(),
-            ),
-            (
-                "QUIRE_KAFKA__TOPICS__REPORT_EVENTS",
-                replay_events.name.as_str(),
-            ),
-            ("QUIRE_WORKER__GROUP_ID", replay_group.as_str()),
-        ],
-        false,
-    );
+    let _replayer = stack
+        .worker("replayer")
+        .with(|settings| {
+            settings.s3.bucket = replay_bucket.name.clone();
+            settings.kafka.topics.watermarks = replay_watermarks.name.clone();
+            settings.kafka.topics.report_events = replay_events.name.clone();
+            settings.worker.group_id = replay_group.clone();
+        })
+        .spawn();
     for (id, report) in [
         (&first_id, &observed.reports[&first_id]),
         (&second_id, &observed.reports[&second_id]),
@@ -316,7 +309,7 @@ async fn a_definition_applies_from_the_next_document_and_a_replay_renders_the_sa
 /// between rounds so workers see the stream arrive over time; records the
 /// sequence numbers sent.
 async fn send_rounds(
-    api: &quire_tests::pipeline::ApiProcess,
+    api: &quire_tests::ApiProcess,
     streams: &[String],
     sent: &mut BTreeMap<String, Vec<u64>>,
     rounds: u64,
@@ -337,7 +330,7 @@ async fn send_rounds(
 /// Cuts every stream and waits until every record sent is reported.
 async fn cut_all_and_settle(
     stack: &TestStack,
-    api: &quire_tests::pipeline::ApiProcess,
+    api: &quire_tests::ApiProcess,
     sent: &BTreeMap<String, Vec<u64>>,
 ) -> Observed {
     for stream in sent.keys() {
@@ -361,10 +354,10 @@ async fn a_worker_killed_mid_stream_is_taken_over_exactly_once() {
     let stack = TestStack::create("e2e-crash").await;
     let api = stack.start_api().await;
     let streams: Vec<String> = (0..3).map(|_| stream_name("crash")).collect();
-    let rollover = [("QUIRE_WORKER__ROLLOVER_RECORDS", "40")];
+    let rollover = |settings: &mut Settings| settings.worker.rollover_records = 40;
     let mut sent = BTreeMap::new();
 
-    let mut worker = stack.spawn_worker("w1", &rollover, false);
+    let mut worker = stack.worker("w1").with(rollover).spawn();
     send_rounds(&api, &streams, &mut sent, 6, 15).await;
     // Some reports are complete and documents are open when it dies.
     stack
@@ -383,7 +376,7 @@ async fn a_worker_killed_mid_stream_is_taken_over_exactly_once() {
         .collect();
 
     send_rounds(&api, &streams, &mut sent, 3, 9).await;
-    let _successor = stack.spawn_worker("w1", &rollover, false);
+    let _successor = stack.worker("w1").with(rollover).spawn();
     let observed = cut_all_and_settle(&stack, &api, &sent).await;
     observed.assert_exactly_once(&sent);
     for (id, document) in before {
@@ -404,11 +397,7 @@ async fn a_worker_that_dies_between_completing_an_object_and_committing_is_taken
     send_rounds(&api, &streams, &mut sent, 3, 10).await;
     api.cut(&streams[0]).await;
 
-    let mut doomed = stack.spawn_worker(
-        "w1",
-        &[("QUIRE_WORKER_FAILPOINT", "crash-before-commit")],
-        false,
-    );
+    let mut doomed = stack.worker("w1").failpoint("crash-before-commit").spawn();
     // It completes the report's object and manifest, then aborts before the
     // transaction that would announce it.
     let code = doomed.wait(LONG);
@@ -422,7 +411,7 @@ async fn a_worker_that_dies_between_completing_an_object_and_committing_is_taken
     assert!(orphan.events.is_empty(), "but its event was not committed");
     let (orphan_id, orphan_report) = orphan.reports.into_iter().next().unwrap();
 
-    let _successor = stack.spawn_worker("w1", &[], false);
+    let _successor = stack.worker("w1").spawn();
     send_rounds(&api, &streams, &mut sent, 2, 5).await;
     let observed = cut_all_and_settle(&stack, &api, &sent).await;
     observed.assert_exactly_once(&sent);
@@ -437,12 +426,12 @@ async fn a_worker_joining_and_one_leaving_mid_run_keep_exactly_once() {
     let stack = TestStack::create("e2e-scale").await;
     let api = stack.start_api().await;
     let streams: Vec<String> = (0..6).map(|_| stream_name("scale")).collect();
-    let rollover = [("QUIRE_WORKER__ROLLOVER_RECORDS", "30")];
+    let rollover = |settings: &mut Settings| settings.worker.rollover_records = 30;
     let mut sent = BTreeMap::new();
 
-    let mut first = stack.spawn_worker("w1", &rollover, false);
+    let mut first = stack.worker("w1").with(rollover).spawn();
     send_rounds(&api, &streams, &mut sent, 3, 8).await;
-    let _second = stack.spawn_worker("w2", &rollover, false);
+    let _second = stack.worker("w2").with(rollover).spawn();
     send_rounds(&api, &streams, &mut sent, 4, 8).await;
     let (code, _) = first.terminate(Duration::from_secs(30));
     assert_eq!(code, Some(0));
@@ -459,8 +448,10 @@ async fn sigterm_exits_zero_within_the_grace_period_and_drain_reports_everything
     let mut sent = BTreeMap::new();
     let grace = Duration::from_secs(10);
 
-    let mut serving =
-        stack.spawn_worker("w1", &[("QUIRE_WORKER__SHUTDOWN_GRACE_MS", "10000")], false);
+    let mut serving = stack
+        .worker("w1")
+        .with(|settings| settings.worker.shutdown_grace_ms = 10_000)
+        .spawn();
     send_rounds(&api, &streams, &mut sent, 3, 10).await;
     api.cut(&streams[0]).await;
     stack
@@ -477,7 +468,7 @@ async fn sigterm_exits_zero_within_the_grace_period_and_drain_reports_everything
 
     // Queued while no worker runs; --drain reports all of it and exits 0.
     send_rounds(&api, &streams, &mut sent, 2, 10).await;
-    let mut drainer = stack.spawn_worker("w1", &[], true);
+    let mut drainer = stack.worker("w1").drain().spawn();
     assert_eq!(
         drainer.wait(Duration::from_secs(120)),
         Some(0),

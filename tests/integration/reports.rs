@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use quire_messages::layout::RETENTION_PREFIXES;
 use quire_s3::{LifecycleOutcome, Retention};
-use quire_tests::pipeline::{ApiProcess, Report, TestStack, records};
 use quire_tests::s3::TestBucket;
+use quire_tests::{ApiProcess, Report, TestStack, records};
 use serde_json::{Value, json};
 use sha2::Digest;
 
@@ -86,7 +86,7 @@ async fn stored_content_type(bucket: &TestBucket, key: &str) -> Option<String> {
 async fn a_gzip_stream_stores_xml_gz_that_gunzips_to_exactly_its_records_beside_a_plain_stream() {
     let stack = TestStack::create("gzip").await;
     let api = stack.start_api().await;
-    let _worker = stack.spawn_worker("w1", &[], false);
+    let _worker = stack.worker("w1").spawn();
     let compressed = stream_name("gz");
     let plain = stream_name("plain");
     api.put_definition(&compressed, json!({"root": "orders", "gzip": true}))
@@ -204,11 +204,7 @@ async fn a_gzip_report_rendered_again_after_a_crash_before_commit_has_the_same_b
     let report_id = api.cut(&stream).await;
 
     // It stores the object and manifest, then dies before its transaction.
-    let mut doomed = stack.spawn_worker(
-        "w1",
-        &[("QUIRE_WORKER_FAILPOINT", "crash-before-commit")],
-        false,
-    );
+    let mut doomed = stack.worker("w1").failpoint("crash-before-commit").spawn();
     assert_ne!(
         doomed.wait(LONG),
         Some(0),
@@ -243,7 +239,7 @@ async fn a_gzip_report_rendered_again_after_a_crash_before_commit_has_the_same_b
 
     // Well over a second later: a gzip header holding a time would differ.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let _successor = stack.spawn_worker("w1", &[], false);
+    let _successor = stack.worker("w1").spawn();
     let observed = stack
         .wait_for(
             "the report rendered again and announced",
@@ -285,7 +281,7 @@ async fn the_same_log_rendered_again_by_another_group_gives_the_same_gzip_bytes(
     let first_id = api.cut(&stream).await;
     api.send_ok(&stream, &records(&stream, 400, 300)).await;
     let second_id = api.cut(&stream).await;
-    let mut worker = first.spawn_worker("w1", &[], true);
+    let mut worker = first.worker("w1").drain().spawn();
     assert_eq!(
         worker.wait(LONG),
         Some(0),
@@ -296,14 +292,11 @@ async fn the_same_log_rendered_again_by_another_group_gives_the_same_gzip_bytes(
     // events and a bucket of its own, well over a second later.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let again = TestStack::create("gzip-again2").await;
-    let mut replay = again.spawn_worker(
-        "w1",
-        &[(
-            "QUIRE_KAFKA__TOPICS__RECORDS",
-            first.topics.records.as_str(),
-        )],
-        true,
-    );
+    let mut replay = again
+        .worker("w1")
+        .with(|settings| settings.kafka.topics.records = first.topics.records.clone())
+        .drain()
+        .spawn();
     assert_eq!(replay.wait(LONG), Some(0));
 
     let rendered = first.observe().await;

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
-use quire_tests::pipeline::{ApiProcess, TestStack, records};
 use quire_tests::read_all;
+use quire_tests::{ApiProcess, TestStack, records};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
@@ -148,12 +148,10 @@ async fn soak_memory_stays_flat_lag_stays_bounded_and_every_record_is_reported_o
     let window = (seconds as f64 / 5.0).min(60.0);
     let stack = TestStack::create("soak").await;
     let api = Arc::new(stack.start_api().await);
-    let rollover = ROLLOVER_RECORDS.to_string();
-    let mut worker = stack.spawn_worker(
-        "w1",
-        &[("QUIRE_WORKER__ROLLOVER_RECORDS", &rollover)],
-        false,
-    );
+    let mut worker = stack
+        .worker("w1")
+        .with(|settings| settings.worker.rollover_records = ROLLOVER_RECORDS)
+        .spawn();
     let worker_pid = worker.id();
     let streams: Vec<String> = (0..STREAMS)
         .map(|index| {

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use quire_tests::pipeline::{TestStack, records};
 use quire_tests::unique;
+use quire_tests::{TestStack, records};
 use report_generator::Mode;
 
 const LONG: Duration = Duration::from_secs(90);
@@ -197,14 +197,13 @@ async fn a_fenced_session_restarts_by_itself_and_loses_or_doubles_nothing() {
     let stack = TestStack::create("ops-restart").await;
     let api = stack.start_api().await;
     let prefix = unique("test-ops-worker");
-    let (mut worker, base) = stack.spawn_monitored_worker(
-        "ops-r",
-        &[
-            ("QUIRE_WORKER__TRANSACTIONAL_ID_PREFIX", prefix.as_str()),
-            ("QUIRE_WORKER__RESTART_BACKOFF_INITIAL_MS", "200"),
-        ],
-        false,
-    );
+    let (mut worker, base) = stack
+        .worker("ops-r")
+        .with(|settings| {
+            settings.worker.transactional_id_prefix = prefix.clone();
+            settings.worker.restart_backoff_initial_ms = 200;
+        })
+        .spawn_monitored();
     let http = reqwest::Client::new();
     let readyz = format!("{base}/readyz");
     wait_until(&http, &readyz, "readiness", |status, _| status == 200).await;

@@ -10,14 +10,14 @@ mod telemetry;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 pub use telemetry::{LogFormat, init_telemetry};
 
 const DEFAULTS: &str = include_str!("defaults.toml");
 
 /// Everything a quire service reads from its configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     pub log: LogSettings,
@@ -28,7 +28,7 @@ pub struct Settings {
 }
 
 /// The producer API (see defaults.toml for what each key means).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiSettings {
     pub listen: String,
@@ -50,7 +50,7 @@ pub struct ApiSettings {
 }
 
 /// The report generator (see defaults.toml for what each key means).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSettings {
     pub replica_id: String,
@@ -89,14 +89,14 @@ impl WorkerSettings {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogSettings {
     pub format: LogFormat,
 }
 
 /// How to reach Kafka and which topics quire uses.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSettings {
     pub bootstrap_servers: String,
@@ -109,7 +109,7 @@ pub struct KafkaSettings {
     pub properties: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TopicNames {
     pub records: String,
@@ -118,7 +118,7 @@ pub struct TopicNames {
     pub dead_letters: String,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct S3Settings {
     pub endpoint: String,
@@ -168,16 +168,33 @@ pub enum ConfigError {
 /// Loads the settings: defaults, then `file` if given, then `QUIRE_` environment
 /// variables.
 pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+    load_with(file, std::env::vars())
+}
+
+/// [`load`] with `variables` in place of the process's environment: what a
+/// service started with them would read (tools and tests check the
+/// variables they hand a child process this way).
+pub fn load_with(
+    file: Option<&Path>,
+    variables: impl IntoIterator<Item = (String, String)>,
+) -> Result<Settings, ConfigError> {
     // Only QUIRE_<SECTION>__<KEY> names are configuration; other QUIRE_
     // variables (QUIRE_CONFIG, the stack script's QUIRE_STACK_*) are not,
     // and must not trip the unknown-key check.
-    let settings_variables = std::env::vars()
-        .filter(|(name, _)| name.starts_with("QUIRE_") && name.contains("__"))
+    let settings_variables = variables
+        .into_iter()
+        .filter(|(name, _)| is_setting_variable(name))
         .collect();
     load_from(
         file,
         Some(config::Environment::with_prefix("QUIRE").source(Some(settings_variables))),
     )
+}
+
+/// Whether the environment variable `name` is configuration
+/// (`QUIRE_<SECTION>__<KEY>`), as [`load`] reads it.
+pub fn is_setting_variable(name: &str) -> bool {
+    name.starts_with("QUIRE_") && name.contains("__")
 }
 
 /// The built-in defaults alone, without file or environment.

@@ -1,10 +1,10 @@
 //! Logging set-up: human-readable by default, JSON on a switch, `RUST_LOG`
 //! overrides the default level filter.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use tracing_subscriber::EnvFilter;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     #[default]

@@ -14,7 +14,6 @@
 //!    a plain consume of the same record bytes, on 12 partitions.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail, ensure};
 use bytes::Bytes;
-use quire_tests::pipeline::TestStack;
+use quire_tests::{ApiProcess, TestStack, release_binary};
 use quire_tests::{TestTopic, kafka_settings, unique};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -143,7 +142,9 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
         "--records must be above 1, --streams, --connections and --array above 0"
     );
     let limit = Duration::from_secs(args.timeout_secs);
-    let binaries = ServiceBinaries::locate()?;
+    // Both services are built (or this stops here, saying how to build them).
+    release_binary("producer-api");
+    release_binary("report-generator");
     let workload = Arc::new(Workload::build(&args));
     eprintln!(
         "pipeline benchmark: {} records of ~{} bytes ({} bytes each as sent), {} streams, \
@@ -188,7 +189,7 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     // 1 and 2: ingest alone, then the worker alone on what ingest queued.
     {
         let stack = TestStack::create("bench-pipeline").await;
-        let api = binaries.start_api(&stack, limit).await?;
+        let api = start_api(&stack, limit).await?;
         let seconds = ingest(&api.client, &workload, args.connections, limit).await?;
         rows.push(Row {
             name: "ingest alone (HTTP -> API -> Kafka, no worker)",
@@ -199,7 +200,7 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
         for stream in &workload.streams {
             api.client.cut(stream).await?;
         }
-        let mut worker = binaries.spawn_worker(&stack, "bench-drain", true)?;
+        let mut worker = spawn_worker(&stack, "bench-drain", true)?;
         let started = Instant::now();
         let code = worker.wait(limit).await?;
         let seconds = started.elapsed().as_secs_f64();
@@ -230,9 +231,9 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     // 3: end to end on a fresh stack, a worker already serving.
     {
         let stack = TestStack::create("bench-pipeline-e2e").await;
-        let api = binaries.start_api(&stack, limit).await?;
+        let api = start_api(&stack, limit).await?;
         let spawned = Instant::now();
-        let mut worker = binaries.spawn_worker(&stack, "bench-serve", false)?;
+        let mut worker = spawn_worker(&stack, "bench-serve", false)?;
         wait_for_member(&stack.group, &mut worker, limit).await?;
         // A serving worker has its partitions in hand: one record of a
         // stream of its own, cut, and its report completed, prove it (the
@@ -528,97 +529,31 @@ pub(crate) fn ceiling_consume(
     Ok((read, started.elapsed().as_secs_f64()))
 }
 
-/// The release binaries of the services, beside this one.
-struct ServiceBinaries {
-    directory: PathBuf,
-}
-
-impl ServiceBinaries {
-    fn locate() -> anyhow::Result<Self> {
-        let exe = std::env::current_exe()?;
-        let directory = exe
-            .parent()
-            .ok_or_else(|| anyhow!("no directory for {}", exe.display()))?
-            .to_path_buf();
-        for name in ["producer-api", "report-generator"] {
-            ensure!(
-                directory.join(name).exists(),
-                "{} is not built: run `cargo build --release -p producer-api -p report-generator`",
-                directory.join(name).display()
-            );
-        }
-        Ok(ServiceBinaries { directory })
-    }
-
-    /// A service of `stack`, its logs at `QUIRE_TEST_SERVICE_LOG` (a RUST_LOG
-    /// filter, `warn` by default) on this process's stderr.
-    fn command(&self, name: &str, stack: &TestStack) -> Command {
-        let mut command = Command::new(self.directory.join(name));
-        command
-            .envs(stack.environment())
-            .env(
-                "RUST_LOG",
-                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        command
-    }
-
-    /// Starts the producer API on a free port; waits (bounded) until healthy.
-    async fn start_api(&self, stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut service = Service::spawn(
-            self.command("producer-api", stack)
-                .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}")),
-            "producer-api",
-        )?;
-        let client = ApiClient {
-            base: format!("http://127.0.0.1:{port}"),
+/// The producer API of `stack`, healthy (bounded by `limit` and 60 s).
+async fn start_api(stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
+    let process = stack
+        .api()
+        .try_start_api(limit.min(Duration::from_secs(60)))
+        .await
+        .map_err(|error| anyhow!(error))?;
+    Ok(Api {
+        client: ApiClient {
+            base: process.base.clone(),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(60))
                 .build()?,
-        };
-        let started = Instant::now();
-        loop {
-            if let Ok(response) = client
-                .http
-                .get(format!("{}/healthz", client.base))
-                .send()
-                .await
-                && response.status().is_success()
-            {
-                return Ok(Api {
-                    client,
-                    _service: service,
-                });
-            }
-            if let Some(code) = service.exited()? {
-                bail!("producer-api exited with {code:?} before it was healthy");
-            }
-            ensure!(
-                started.elapsed() < limit.min(Duration::from_secs(60)),
-                "producer-api did not become healthy within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+        },
+        _process: process,
+    })
+}
 
-    fn spawn_worker(
-        &self,
-        stack: &TestStack,
-        replica: &str,
-        drain: bool,
-    ) -> anyhow::Result<Service> {
-        let mut command = self.command("report-generator", stack);
-        command.env("QUIRE_WORKER__REPLICA_ID", replica);
-        if drain {
-            command.arg("--drain");
-        }
-        Service::spawn(&mut command, "report-generator")
+/// Report generator `replica` of `stack` (`--drain` if `drain`).
+fn spawn_worker(stack: &TestStack, replica: &str, drain: bool) -> anyhow::Result<Service> {
+    let mut launch = stack.worker(replica);
+    if drain {
+        launch = launch.drain();
     }
+    Service::spawn(launch.command().stdout(Stdio::null()), "report-generator")
 }
 
 /// A child process, killed when dropped.
@@ -683,7 +618,7 @@ struct ApiClient {
 /// The producer API: a client and its process (killed when dropped).
 struct Api {
     client: ApiClient,
-    _service: Service,
+    _process: ApiProcess,
 }
 
 impl ApiClient {

@@ -9,14 +9,14 @@
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, ensure};
-use quire_tests::pipeline::TestStack;
+use quire_config::LogFormat;
+use quire_tests::TestStack;
 use serde_json::{Value, json};
 
 #[derive(clap::Args, Clone)]
@@ -85,17 +85,15 @@ struct Worker {
 
 impl Worker {
     fn spawn(
-        binary: &PathBuf,
         stack: &TestStack,
         replica: &str,
         counts: &Arc<Mutex<Counts>>,
     ) -> anyhow::Result<Self> {
-        let mut child = Command::new(binary)
-            .envs(stack.environment())
-            .env("QUIRE_WORKER__REPLICA_ID", replica)
-            .env("QUIRE_LOG__FORMAT", "json")
+        let mut child = stack
+            .worker(replica)
+            .with(|settings| settings.log.format = LogFormat::Json)
+            .command()
             .env("RUST_LOG", "warn,report_generator=info")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()?;
@@ -134,42 +132,19 @@ impl Drop for Worker {
 }
 
 pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
-    let directory = std::env::current_exe()?
-        .parent()
-        .ok_or_else(|| anyhow!("no directory"))?
-        .to_path_buf();
-    let worker_binary = directory.join("report-generator");
     let stack = TestStack::create("bench-rebalance").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut api = Command::new(directory.join("producer-api"))
-        .envs(stack.environment())
-        .env("QUIRE_API__LISTEN", format!("127.0.0.1:{port}"))
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()?;
-    let base = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !http
-        .get(format!("{base}/healthz"))
-        .send()
+    let api = stack
+        .api()
+        .try_start_api(Duration::from_secs(60))
         .await
-        .is_ok_and(|response| response.status().is_success())
-    {
-        ensure!(Instant::now() < deadline, "producer-api did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        .map_err(|error| anyhow!(error))?;
+    let base = api.base.clone();
+    let http = reqwest::Client::new();
 
     let counts = Arc::new(Mutex::new(Counts::default()));
     let mut workers: BTreeMap<&str, Worker> = BTreeMap::new();
     for replica in ["r1", "r2", "r3"] {
-        workers.insert(
-            replica,
-            Worker::spawn(&worker_binary, &stack, replica, &counts)?,
-        );
+        workers.insert(replica, Worker::spawn(&stack, replica, &counts)?);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
@@ -213,7 +188,7 @@ pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
         // session timeout (6 s here); scale out: it joins again.
         workers.get_mut("r3").expect("r3").terminate()?;
         tokio::time::sleep(phase).await;
-        workers.insert("r3", Worker::spawn(&worker_binary, &stack, "r3", &counts)?);
+        workers.insert("r3", Worker::spawn(&stack, "r3", &counts)?);
         tokio::time::sleep(phase).await;
     }
     stop.store(true, Ordering::Release);
@@ -224,8 +199,7 @@ pub async fn run(args: RebalanceArgs) -> anyhow::Result<()> {
     for worker in workers.values_mut() {
         worker.terminate()?;
     }
-    let _ = api.kill();
-    let _ = api.wait();
+    drop(api);
 
     let rebalances = (2 * args.cycles) as f64;
     let re_rendered = (end.revoked_documents - warm.revoked_documents)

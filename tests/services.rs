@@ -1,0 +1,447 @@
+//! The services of a [`TestStack`] as the tests and benchmarks start them:
+//! the real release binaries as child processes (or the report generator
+//! in process), configured through typed [`Settings`].
+//!
+//! A [`Launch`] is the one place a service's command is built: the typed
+//! settings become the `QUIRE_<SECTION>__<KEY>` variables the service
+//! reads back ([`environment_of`]), and the test's own configuration
+//! variables are not inherited, so a test's broker or bucket is the one its
+//! settings name, whatever the shell exported.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use quire_config::{LogFormat, Settings};
+use report_generator::{Application, Mode, RunSummary, WorkerError};
+use serde_json::Value;
+
+use crate::stack::TestStack;
+
+/// The producer API or the report generator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Api,
+    Worker,
+}
+
+impl Service {
+    fn binary(self) -> &'static str {
+        match self {
+            Service::Api => "producer-api",
+            Service::Worker => "report-generator",
+        }
+    }
+}
+
+/// How to start one service: its typed settings, and what is not
+/// configuration (a failpoint, a variable of the process, `--drain`).
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub service: Service,
+    pub settings: Settings,
+    variables: Vec<(String, String)>,
+    drain: bool,
+}
+
+impl TestStack {
+    /// The producer API of this stack, to configure and start.
+    pub fn api(&self) -> Launch {
+        Launch::new(Service::Api, self.settings())
+    }
+
+    /// Report generator `replica` of this stack, to configure and start.
+    pub fn worker(&self, replica: &str) -> Launch {
+        Launch::new(Service::Worker, self.worker_settings(replica))
+    }
+
+    /// Starts the producer API with this stack's settings; see
+    /// [`Launch::start_api`].
+    pub async fn start_api(&self) -> ApiProcess {
+        self.api().start_api().await
+    }
+
+    /// Starts a report generator in this process, as `main.rs` does
+    /// (`Application::build`, then `run_until`); returns once its
+    /// monitoring port is bound.
+    pub async fn start_worker_in_process(&self, settings: Settings, mode: Mode) -> InProcessWorker {
+        let application = Application::build(settings, mode)
+            .await
+            .expect("the report generator starts");
+        let port = application.port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(application.run_until(async move {
+            let _ = stopped.await;
+        }));
+        InProcessWorker {
+            port,
+            stop: Some(stop),
+            run,
+        }
+    }
+}
+
+impl Launch {
+    pub fn new(service: Service, settings: Settings) -> Launch {
+        Launch {
+            service,
+            settings,
+            variables: Vec::new(),
+            drain: false,
+        }
+    }
+
+    /// Changes the typed settings.
+    pub fn with(mut self, configure: impl FnOnce(&mut Settings)) -> Launch {
+        configure(&mut self.settings);
+        self
+    }
+
+    /// Sets a variable of the process that is not configuration (`TMPDIR`).
+    pub fn variable(mut self, name: &str, value: &str) -> Launch {
+        self.variables.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Arms a report generator's failpoint (`QUIRE_WORKER_FAILPOINT`, read
+    /// by release builds too: see `report_generator::worker`).
+    pub fn failpoint(self, name: &str) -> Launch {
+        self.variable("QUIRE_WORKER_FAILPOINT", name)
+    }
+
+    /// Runs a report generator with `--drain`: it exits once it has read
+    /// its partitions to their end.
+    pub fn drain(mut self) -> Launch {
+        self.drain = true;
+        self
+    }
+
+    /// The service's command: its release binary, its settings as
+    /// variables, logs at `QUIRE_TEST_SERVICE_LOG` (a `RUST_LOG` filter,
+    /// `warn` by default) on the test's stderr, no stdin.
+    pub fn command(&self) -> Command {
+        let mut command = Command::new(release_binary(self.service.binary()));
+        for (name, _) in std::env::vars() {
+            if quire_config::is_setting_variable(&name) || name == "QUIRE_CONFIG" {
+                command.env_remove(name);
+            }
+        }
+        command
+            .envs(environment_of(&self.settings))
+            .envs(self.variables.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env(
+                "RUST_LOG",
+                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null());
+        if self.drain {
+            command.arg("--drain");
+        }
+        command
+    }
+
+    /// Starts the producer API on a free loopback port and waits until it
+    /// is healthy, at most `limit`.
+    pub async fn try_start_api(mut self, limit: Duration) -> Result<ApiProcess, String> {
+        assert_eq!(self.service, Service::Api, "try_start_api of a worker");
+        let port = crate::free_port();
+        self.settings.api.listen = format!("127.0.0.1:{port}");
+        let child = self
+            .command()
+            .spawn()
+            .map_err(|error| format!("cannot start producer-api: {error}"))?;
+        let mut api = ApiProcess {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+        };
+        let started = Instant::now();
+        loop {
+            if let Ok(response) = api.http.get(format!("{}/healthz", api.base)).send().await
+                && response.status().is_success()
+            {
+                return Ok(api);
+            }
+            if let Ok(Some(status)) = api.child.try_wait() {
+                return Err(format!(
+                    "producer-api exited ({status}) before it was healthy"
+                ));
+            }
+            if started.elapsed() > limit {
+                return Err(format!("producer-api was not healthy within {limit:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// [`try_start_api`](Self::try_start_api) within 60 s, or the test fails.
+    pub async fn start_api(self) -> ApiProcess {
+        self.try_start_api(Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// Starts a report generator.
+    pub fn spawn(self) -> WorkerProcess {
+        assert_eq!(self.service, Service::Worker, "spawn of an API");
+        WorkerProcess {
+            child: self
+                .command()
+                .spawn()
+                .expect("start report-generator (is it built?)"),
+        }
+    }
+
+    /// Starts a report generator like [`spawn`](Self::spawn) and waits
+    /// (bounded) until it logs where it serves `/metrics`, `/healthz` and
+    /// `/readyz` (the `metrics_address` field; its metrics port is a free
+    /// one). Returns it and that server's base URL. The worker logs JSON
+    /// here; its lines still reach the test's stderr.
+    pub fn spawn_monitored(mut self) -> (WorkerProcess, String) {
+        assert_eq!(self.service, Service::Worker, "spawn_monitored of an API");
+        self.settings.log.format = LogFormat::Json;
+        let mut command = self.command();
+        command
+            .env(
+                "RUST_LOG",
+                format!(
+                    "{},report_generator::monitoring=info",
+                    std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
+                ),
+            )
+            .stderr(Stdio::piped());
+        let mut child = command
+            .spawn()
+            .expect("start report-generator (is it built?)");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (address_sender, address) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("{line}");
+                if let Some(found) = serde_json::from_str::<Value>(&line)
+                    .ok()
+                    .and_then(|entry| entry["metrics_address"].as_str().map(str::to_owned))
+                {
+                    let _ = address_sender.send(found);
+                }
+            }
+        });
+        let mut worker = WorkerProcess { child };
+        let Ok(found) = address.recv_timeout(Duration::from_secs(30)) else {
+            let exited = worker.exited();
+            panic!("report-generator logged no metrics_address within 30 s (exited: {exited:?})");
+        };
+        (worker, format!("http://{found}"))
+    }
+}
+
+/// The `QUIRE_<SECTION>__<KEY>` variables that configure a service as
+/// `settings` does (lists joined with `,`; a pass-through Kafka property's
+/// dots as `_`, which `KafkaSettings::client_properties` turns back).
+pub fn environment_of(settings: &Settings) -> Vec<(String, String)> {
+    fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, String)>) {
+        match value {
+            Value::Object(fields) => {
+                for (key, field) in fields {
+                    let name = key.replace('.', "_").to_uppercase();
+                    flatten(&format!("{prefix}__{name}"), field, out);
+                }
+            }
+            // An empty list is the default (and "" would read back as [""]).
+            Value::Array(items) if items.is_empty() => {}
+            Value::Array(items) => {
+                let joined = items
+                    .iter()
+                    .map(|item| {
+                        item.as_str()
+                            .map_or_else(|| item.to_string(), str::to_owned)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",");
+                out.push((prefix.to_owned(), joined));
+            }
+            Value::String(text) => out.push((prefix.to_owned(), text.clone())),
+            Value::Null => {}
+            other => out.push((prefix.to_owned(), other.to_string())),
+        }
+    }
+    let value = serde_json::to_value(settings).expect("settings serialize");
+    let mut out = Vec::new();
+    let Value::Object(sections) = value else {
+        unreachable!("settings are a table")
+    };
+    for (section, fields) in &sections {
+        flatten(
+            &format!("QUIRE_{}", section.to_uppercase()),
+            fields,
+            &mut out,
+        );
+    }
+    out
+}
+
+/// A producer API child process, killed when dropped; its requests are in
+/// [`crate::client`].
+pub struct ApiProcess {
+    pub(crate) child: Child,
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+impl ApiProcess {
+    /// `Some(exit status)` once the process has exited, `None` while it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+}
+
+impl Drop for ApiProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A report generator running in the test's process.
+pub struct InProcessWorker {
+    /// Where its `/metrics`, `/healthz` and `/readyz` answer.
+    pub port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    run: tokio::task::JoinHandle<Result<RunSummary, WorkerError>>,
+}
+
+impl InProcessWorker {
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Resolves its shutdown future (what SIGTERM does to the binary) and
+    /// waits (bounded) for it to finish: what it did, or why it failed.
+    pub async fn stop(mut self, limit: Duration) -> Result<RunSummary, WorkerError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(limit, &mut self.run)
+            .await
+            .unwrap_or_else(|_| panic!("the in-process worker did not stop within {limit:?}"))
+            .expect("the worker task ended without a panic")
+    }
+}
+
+impl Drop for InProcessWorker {
+    fn drop(&mut self) {
+        self.run.abort();
+    }
+}
+
+pub struct WorkerProcess {
+    child: Child,
+}
+
+impl WorkerProcess {
+    /// The process id (for /proc/<pid>/status).
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `Some(exit status)` once the process has exited, `None` while it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+
+    pub fn kill(&mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+
+    /// Sends SIGTERM and waits (bounded); returns the exit code and how long it took.
+    pub fn terminate(&mut self, limit: Duration) -> (Option<i32>, Duration) {
+        let started = Instant::now();
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(status.success());
+        (self.wait(limit), started.elapsed())
+    }
+
+    /// Waits for the process to exit (bounded); its exit code.
+    pub fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("worker did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A release binary of the workspace (a service, the CLI), built beside the
+/// test binary (`target/release/deps/`) or the bench (`target/release/`).
+pub fn release_binary(name: &str) -> PathBuf {
+    let running = std::env::current_exe().expect("test binary path");
+    let mut directory = running.parent().expect("binary directory").to_path_buf();
+    if directory.ends_with("deps") {
+        directory.pop();
+    }
+    let binary = directory.join(name);
+    assert!(
+        binary.exists(),
+        "{} is not built: run deploy/local/test (it builds every binary)",
+        binary.display()
+    );
+    binary
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a service reads back from [`environment_of`] is the settings
+    /// it was given, for every key (each changed from its default).
+    #[test]
+    fn a_service_reads_back_the_settings_it_was_given() {
+        let mut settings = quire_config::defaults();
+        settings.log.format = LogFormat::Json;
+        settings.kafka.bootstrap_servers = "127.0.0.1:1,127.0.0.1:2".into();
+        settings.kafka.transaction_timeout_ms = 12_345;
+        settings
+            .kafka
+            .properties
+            .insert("ssl_ca_location".into(), "/etc/ca.pem".into());
+        settings.kafka.topics.records = "t.records".into();
+        settings.s3.bucket = "a-bucket".into();
+        settings.s3.report_retention_days = 3;
+        settings.api.auth_tokens = vec!["one".into(), "two".into()];
+        settings.api.max_in_flight_bytes = 4096;
+        settings.worker.replica_id = "w9".into();
+        settings.worker.rollover_records = 3;
+        settings.worker.spill_dir = "/tmp/spill dir".into();
+        let read_back =
+            quire_config::load_with(None, environment_of(&settings)).expect("the variables load");
+        assert_eq!(
+            serde_json::to_value(&read_back).unwrap(),
+            serde_json::to_value(&settings).unwrap()
+        );
+        let defaults = quire_config::defaults();
+        assert_ne!(
+            serde_json::to_value(&defaults).unwrap(),
+            serde_json::to_value(&settings).unwrap(),
+            "the settings differ from the defaults, so the test shows something"
+        );
+    }
+}
