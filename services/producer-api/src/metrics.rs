@@ -265,7 +265,7 @@ pub async fn track_requests(
     next: Next,
 ) -> Response {
     let started = Instant::now();
-    let method = request.method().as_str().to_owned();
+    let method = method_label(request.method()).to_owned();
     let route = request
         .extensions()
         .get::<MatchedPath>()
@@ -295,6 +295,31 @@ pub async fn track_requests(
         code,
     );
     response
+}
+
+/// The `method` label of a request: one of the methods HTTP defines, or
+/// `other`. hyper accepts any token as a method, so a label taken as sent
+/// would let one client add a series per made-up method (each up to the
+/// header size limit) to every scrape.
+fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::OPTIONS,
+        Method::PATCH,
+        Method::TRACE,
+        Method::CONNECT,
+    ]
+    .into_iter()
+    .zip([
+        "GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT",
+    ])
+    .find_map(|(known, label)| (known == method).then_some(label))
+    .unwrap_or("other")
 }
 
 /// Counts a request in flight until dropped, also when the client goes away
