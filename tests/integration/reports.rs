@@ -32,7 +32,9 @@ fn gunzip(bytes: &[u8]) -> Vec<u8> {
     xml
 }
 
-/// `GET /v1/reports/{id}/content`: status, Content-Type, Content-Encoding, body.
+/// `GET /v1/reports/{id}/content`: status, Content-Type, Content-Encoding,
+/// body. A document served is data, never active content: this asserts it
+/// comes as a download named after its id, not sniffed, and sandboxed.
 async fn content(api: &ApiProcess, id: &str) -> (u16, String, Option<String>, Vec<u8>) {
     let response = api
         .http
@@ -49,6 +51,22 @@ async fn content(api: &ApiProcess, id: &str) -> (u16, String, Option<String>, Ve
     let content_type = header("content-type").unwrap_or_default();
     let encoding = header("content-encoding");
     let status = response.status().as_u16();
+    if status == 200 {
+        let extension = if content_type == "application/gzip" {
+            "xml.gz"
+        } else {
+            "xml"
+        };
+        assert_eq!(
+            header("content-disposition").as_deref(),
+            Some(format!("attachment; filename=\"{id}.{extension}\"").as_str())
+        );
+        assert_eq!(header("x-content-type-options").as_deref(), Some("nosniff"));
+        assert_eq!(
+            header("content-security-policy").as_deref(),
+            Some("sandbox")
+        );
+    }
     (
         status,
         content_type,

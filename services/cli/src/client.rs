@@ -36,6 +36,10 @@ impl ApiClient {
     pub fn new(base_url: &str, token: Option<String>) -> Result<Self, CliError> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            // The API closes a connection left idle for its header timeout
+            // (api.header_read_timeout_ms, 30 s by default); reusing one it
+            // is closing would fail the request, so let go of them sooner.
+            .pool_idle_timeout(Duration::from_secs(20))
             .user_agent(concat!("quire-cli/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|source| CliError::Http {

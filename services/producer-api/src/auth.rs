@@ -17,7 +17,7 @@ use subtle::ConstantTimeEq;
 
 use crate::errors::{ApiError, AuthFailure};
 
-type TokenDigest = [u8; 32];
+pub type TokenDigest = [u8; 32];
 
 /// The accepted tokens, or none (authentication off).
 #[derive(Clone, Default)]
@@ -61,6 +61,21 @@ impl BearerTokens {
             Err(AuthFailure::Rejected)
         }
     }
+}
+
+/// Who sent a request, for what is kept or counted per client (idempotency
+/// keys, rate limits): the SHA-256 of its bearer token when authentication
+/// is on (checked before any handler runs), one anonymous principal when
+/// it is off.
+pub fn principal(headers: &axum::http::HeaderMap, tokens_enabled: bool) -> TokenDigest {
+    if !tokens_enabled {
+        return [0; 32];
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| bearer_token(value.as_bytes()))
+        .unwrap_or_default();
+    digest(token)
 }
 
 pub(crate) fn digest(token: &[u8]) -> TokenDigest {

@@ -4,9 +4,11 @@
 //!
 //! In-flight bytes: request bodies held at once (being read, validated, or
 //! waiting for their transaction) stay under `api.max_in_flight_bytes`. A
-//! body's share is taken as it is read (its Content-Length at once when
-//! declared) and given back when the request is answered; a request that
-//! cannot get its share at once is refused (429), nothing waits in a queue.
+//! body's share is taken as its bytes arrive, never on the strength of a
+//! declared Content-Length (connections that declare 16 MiB and send
+//! nothing would otherwise lock every other client out), and given back
+//! when the request is answered; a request that cannot get its share at
+//! once is refused (429), nothing waits in a queue.
 
 use std::sync::Arc;
 
@@ -95,8 +97,10 @@ impl Drop for Reservation {
 }
 
 /// Reads a whole body of at most `limit` bytes, holding a share of the
-/// in-flight bytes for it: a declared Content-Length is taken at once,
-/// otherwise each chunk as it arrives.
+/// in-flight bytes for what has arrived, chunk by chunk. A declared
+/// Content-Length over `limit` is refused before anything is read; one
+/// under it reserves nothing, and memory is given to it only up to
+/// [`PREALLOCATE_UP_TO`] before its bytes come.
 pub async fn read_body_reserving(
     body: Body,
     headers: &HeaderMap,
@@ -104,10 +108,9 @@ pub async fn read_body_reserving(
     reservation: &mut Reservation,
 ) -> Result<Bytes, ApiError> {
     let declared_length = declared_length_within(headers, limit)?;
-    if let Some(length) = declared_length {
-        reservation.grow(length as usize)?;
-    }
-    let mut buffer = BytesMut::with_capacity(declared_length.unwrap_or(0) as usize);
+    let mut buffer = BytesMut::with_capacity(
+        declared_length.map_or(0, |length| (length as usize).min(PREALLOCATE_UP_TO)),
+    );
     let mut chunks = body.into_data_stream();
     while let Some(chunk) = chunks.next().await {
         let chunk = chunk.map_err(|error| ApiError::BodyUnreadable(error.to_string()))?;
@@ -120,6 +123,9 @@ pub async fn read_body_reserving(
     }
     Ok(buffer.freeze())
 }
+
+/// Memory set aside for a body before its bytes arrive, at most.
+pub const PREALLOCATE_UP_TO: usize = 64 * 1024;
 
 /// The request's Content-Type as sent, and its media type (lowercase,
 /// parameters such as `charset` dropped); `None` without the header.
@@ -222,31 +228,44 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_body_holds_its_declared_length_while_read() {
+    async fn a_body_holds_what_has_arrived_never_what_it_declares() {
         let bytes = InFlightBytes::new(10, Gauge::default());
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("8"));
+        // Declared 8, nothing sent yet: nothing held, so another fits.
+        let (mut sender, waiting) =
+            futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+        let mut idle = bytes.reservation();
+        let idle_headers = headers.clone();
+        let idle_read = tokio::spawn(async move {
+            let result =
+                read_body_reserving(Body::from_stream(waiting), &idle_headers, 100, &mut idle)
+                    .await;
+            (result.map(|body| body.len()), idle)
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(bytes.held(), 0);
         let mut reservation = bytes.reservation();
         let body = read_body_reserving(Body::from("[{},{}]\n"), &headers, 100, &mut reservation)
             .await
             .unwrap();
         assert_eq!(body, "[{},{}]\n");
         assert_eq!(bytes.held(), 8);
-        let mut other = bytes.reservation();
-        let error = read_body_reserving(Body::from("[{}]"), &headers, 100, &mut other)
-            .await
-            .unwrap_err();
-        assert!(matches!(error, ApiError::TooBusy { limit: 10 }));
-        // Without Content-Length, chunk by chunk.
-        let error = read_body_reserving(Body::from("[{},{}]"), &HeaderMap::new(), 100, &mut other)
-            .await
-            .unwrap_err();
-        assert!(matches!(error, ApiError::TooBusy { .. }));
+        // What arrives is held: 8 + 4 do not fit in 10.
+        sender.start_send(Ok(Bytes::from_static(b"[{},"))).unwrap();
+        drop(sender);
+        let (result, _idle) = idle_read.await.unwrap();
+        assert!(
+            matches!(result, Err(ApiError::TooBusy { limit: 10 })),
+            "{result:?}"
+        );
         drop(reservation);
+        let mut other = bytes.reservation();
         let body = read_body_reserving(Body::from("[{},{}]"), &HeaderMap::new(), 100, &mut other)
             .await
             .unwrap();
         assert_eq!(body.len(), 7);
+        assert_eq!(bytes.held(), 7);
     }
 
     fn chunked(chunks: &[&'static str]) -> Body {

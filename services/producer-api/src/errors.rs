@@ -108,6 +108,11 @@ pub enum ApiError {
     #[error("record {index} cannot be read: {message}; nothing was published")]
     InvalidRecord { index: usize, message: String },
 
+    #[error(
+        "record {index} names the key `{path}` twice; JSON readers disagree on which value counts, so name each key once; nothing was published"
+    )]
+    DuplicateKey { index: usize, path: String },
+
     #[error("record {index}: {forbidden}; nothing was published")]
     ForbiddenCharacter {
         index: usize,
@@ -152,6 +157,14 @@ pub enum ApiError {
         "the API holds as many request bytes as it may (api.max_in_flight_bytes = {limit}); nothing was published; retry after Retry-After seconds"
     )]
     TooBusy { limit: usize },
+
+    #[error(
+        "too many cuts and definition changes for this {scope} (api.control_requests_per_minute_per_{scope}); nothing was published; retry after Retry-After seconds"
+    )]
+    RateLimited {
+        scope: &'static str,
+        retry_after_secs: u64,
+    },
 
     #[error("kafka is not reachable ({0}); nothing was published; retry after Retry-After seconds")]
     KafkaUnavailable(String),
@@ -210,6 +223,7 @@ impl ApiError {
             ApiError::ReportPending { .. } => (S::CONFLICT, "report_pending"),
             ApiError::IdempotencyKeyInProgress => (S::CONFLICT, "idempotency_key_in_progress"),
             ApiError::TooBusy { .. } => (S::TOO_MANY_REQUESTS, "too_busy"),
+            ApiError::RateLimited { .. } => (S::TOO_MANY_REQUESTS, "rate_limited"),
             ApiError::BodyTimeout { .. } => (S::REQUEST_TIMEOUT, "body_timeout"),
             ApiError::ReportContentGone { .. } => (S::GONE, "report_content_gone"),
             ApiError::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body_too_large"),
@@ -221,6 +235,7 @@ impl ApiError {
             ApiError::NotAnObject { .. } => (S::UNPROCESSABLE_ENTITY, "record_not_an_object"),
             ApiError::InvalidRecord { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_record"),
             ApiError::ForbiddenCharacter { .. } => (S::UNPROCESSABLE_ENTITY, "forbidden_character"),
+            ApiError::DuplicateKey { .. } => (S::UNPROCESSABLE_ENTITY, "duplicate_key"),
             ApiError::InvalidDefinition(_) => (S::UNPROCESSABLE_ENTITY, "invalid_definition"),
             ApiError::IdempotencyKeyReused => (S::UNPROCESSABLE_ENTITY, "idempotency_key_reused"),
             // Not 503: the array may be committed, and clients retry a 503.
@@ -260,6 +275,50 @@ impl ApiError {
         self.kind().1
     }
 
+    /// The `message` a client reads. A server-side error's own text names
+    /// what only operators should see (broker addresses, the bucket, S3
+    /// keys and endpoints, librdkafka's words): it goes to the log whole,
+    /// and the client gets what happened and what to do, per code.
+    fn public_message(&self) -> String {
+        let fixed = match self.code() {
+            "publish_outcome_unknown" => {
+                "kafka did not confirm the commit, so the records may or may not be published; retry with the same Idempotency-Key to learn which"
+            }
+            "publish_failed" => "publishing failed; nothing was published",
+            "internal" => "internal error",
+            "producer_unavailable" => {
+                "the API's kafka producer is being recreated; nothing was published; retry after Retry-After seconds"
+            }
+            "shutting_down" => {
+                "the API is shutting down; nothing was published; retry after Retry-After seconds"
+            }
+            "kafka_unavailable" => {
+                "kafka is not reachable; nothing was published; retry after Retry-After seconds"
+            }
+            "report_not_yet_readable" => {
+                "the report's marker is not readable yet; retry after Retry-After seconds"
+            }
+            "storage_unavailable" => {
+                "the report store does not answer; retry after Retry-After seconds"
+            }
+            _ => {
+                return match self {
+                    ApiError::ReportContentGone { id, .. } => format!(
+                        "report {id} is complete, but its document is missing from the bucket; it was deleted after the report completed"
+                    ),
+                    ApiError::DefinitionCopyFailed { id, .. } => format!(
+                        "the definition was published (message {id}) and is in force, but its readable copy could not be written; PUT it again to refresh the copy"
+                    ),
+                    server_side if server_side.is_server_side() => {
+                        "the request failed (the API's log has the details)".to_owned()
+                    }
+                    client_side => client_side.to_string(),
+                };
+            }
+        };
+        format!("{fixed} (the API's log has the details)")
+    }
+
     /// Members added next to `code` and `message`, for programs.
     fn details(&self) -> Map<String, Value> {
         let details = match self {
@@ -279,6 +338,7 @@ impl ApiError {
             } => json!({"index": index, "bytes": bytes, "limit": limit}),
             ApiError::NotAnObject { index, found } => json!({"index": index, "found": found}),
             ApiError::InvalidRecord { index, .. } => json!({"index": index}),
+            ApiError::DuplicateKey { index, path } => json!({"index": index, "path": path}),
             ApiError::ForbiddenCharacter { index, forbidden } => json!({
                 "index": index,
                 "path": forbidden.path,
@@ -317,7 +377,7 @@ impl IntoResponse for ApiError {
         }
         let mut body = Map::new();
         body.insert("code".to_owned(), Value::from(self.code()));
-        body.insert("message".to_owned(), Value::from(self.to_string()));
+        body.insert("message".to_owned(), Value::from(self.public_message()));
         body.extend(self.details());
         let mut response = (status, axum::Json(json!({ "error": body }))).into_response();
         let headers = response.headers_mut();
@@ -333,7 +393,13 @@ impl IntoResponse for ApiError {
             || status == StatusCode::TOO_MANY_REQUESTS
             || matches!(self, ApiError::IdempotencyKeyInProgress)
         {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            let wait = match &self {
+                ApiError::RateLimited {
+                    retry_after_secs, ..
+                } => HeaderValue::from(*retry_after_secs),
+                _ => HeaderValue::from_static("1"),
+            };
+            headers.insert(header::RETRY_AFTER, wait);
         }
         response.extensions_mut().insert(ErrorCode(self.code()));
         response
@@ -379,6 +445,30 @@ mod tests {
         assert!(message.contains("record 3"), "{message}");
         assert!(message.contains("a.b[1]"), "{message}");
         assert!(message.contains("nothing was published"), "{message}");
+    }
+
+    /// What only operators should see (a broker address, an S3 key) is not
+    /// in the answer; the code and what to do are.
+    #[tokio::test]
+    async fn server_side_answers_name_no_address_or_key() {
+        for error in [
+            ApiError::KafkaUnavailable("127.0.0.1:19092/bootstrap: Connect failed".into()),
+            ApiError::Internal("s3 endpoint http://10.1.2.3:7070 refused".into()),
+            ApiError::ReportContentGone {
+                id: "s~1-2".into(),
+                key: "reports/secret-bucket-layout/s~1-2.xml".into(),
+            },
+        ] {
+            let logged = error.to_string();
+            let code = error.code();
+            let (_, body) = body_of(error).await;
+            let message = body["error"]["message"].as_str().unwrap();
+            for hidden in ["127.0.0.1", "10.1.2.3", "reports/"] {
+                assert!(!message.contains(hidden), "{code}: {message}");
+            }
+            assert_eq!(body["error"]["code"], code);
+            assert_ne!(message, logged, "{code}: the log keeps the whole text");
+        }
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +24,9 @@ use crate::log_reader::{LogError, LogReader};
 use crate::metrics::{self, Metrics};
 use crate::openapi;
 use crate::publish::{Publisher, RecordsTopic};
+use crate::rate::ControlLimits;
 use crate::routes::{Access, ROUTES};
+use crate::serve::{ConnectionLimits, serve};
 use crate::state::{AppState, Services};
 use crate::storage::Storage;
 use crate::validation::Limits;
@@ -38,6 +41,14 @@ pub enum StartupError {
     },
     #[error("api.{key} is 0; it must be at least 1")]
     ZeroLimit { key: &'static str },
+    #[error(
+        "api.auth_tokens holds an empty token (a stray comma in QUIRE_API__AUTH_TOKENS?); every token must be non-empty, and an empty list is not a way to turn authentication off"
+    )]
+    EmptyToken,
+    #[error(
+        "refusing to listen on {address} without authentication: anyone who reaches it could publish and read every report; set api.auth_tokens, listen on a loopback address, or set api.allow_unauthenticated = true on purpose"
+    )]
+    Unauthenticated { address: SocketAddr },
     #[error(
         "api.max_in_flight_bytes ({in_flight}) is less than api.max_body_bytes ({body}): a request of the largest size allowed could never be let in"
     )]
@@ -59,6 +70,7 @@ pub struct Application {
     listener: TcpListener,
     address: SocketAddr,
     router: Router,
+    connections: ConnectionLimits,
 }
 
 /// How long start-up waits for S3 before going on without it (report routes
@@ -80,6 +92,7 @@ impl Application {
             source,
         })?;
         let limits = limits(&settings)?;
+        let tokens = authentication(&settings, address)?;
         openapi::check().map_err(StartupError::OpenApi)?;
 
         // check_topics compares partition counts and cleanup policies, not
@@ -136,7 +149,6 @@ impl Application {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
 
-        let tokens = BearerTokens::new(&settings.api.auth_tokens);
         let services = Arc::new(Services {
             limits,
             records_topic,
@@ -154,6 +166,7 @@ impl Application {
             }),
             kafka_health,
             tokens_enabled: tokens.enabled(),
+            control_limits: control_limits(&settings)?,
             metrics,
             replica_id: settings.api.replica_id.clone(),
         });
@@ -172,6 +185,7 @@ impl Application {
             listener,
             address,
             router: router(services, tokens),
+            connections: connection_limits(&settings)?,
         })
     }
 
@@ -196,12 +210,65 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown)
-            .await?;
+        serve(self.listener, self.router, self.connections, shutdown).await?;
         tracing::info!("producer api stopped");
         Ok(())
     }
+}
+
+/// The bearer tokens. A listed token that is empty is a mistake, never
+/// "authentication off"; and without tokens the API serves only loopback
+/// unless `api.allow_unauthenticated` says otherwise.
+fn authentication(settings: &Settings, address: SocketAddr) -> Result<BearerTokens, StartupError> {
+    let api = &settings.api;
+    if api.auth_tokens.iter().any(|token| token.trim().is_empty()) {
+        return Err(StartupError::EmptyToken);
+    }
+    let tokens = BearerTokens::new(&api.auth_tokens);
+    if !tokens.enabled() && !address.ip().is_loopback() && !api.allow_unauthenticated {
+        return Err(StartupError::Unauthenticated { address });
+    }
+    if !tokens.enabled() && !address.ip().is_loopback() {
+        tracing::warn!(%address, "authentication is off (api.allow_unauthenticated) on a non-loopback address");
+    }
+    Ok(tokens)
+}
+
+fn control_limits(settings: &Settings) -> Result<ControlLimits, StartupError> {
+    let api = &settings.api;
+    let at_least_one =
+        |key, value: u32| NonZeroU32::new(value).ok_or(StartupError::ZeroLimit { key });
+    Ok(ControlLimits::new(
+        at_least_one(
+            "control_requests_per_minute_per_stream",
+            api.control_requests_per_minute_per_stream,
+        )?,
+        at_least_one(
+            "control_requests_per_minute_per_principal",
+            api.control_requests_per_minute_per_principal,
+        )?,
+    ))
+}
+
+fn connection_limits(settings: &Settings) -> Result<ConnectionLimits, StartupError> {
+    let api = &settings.api;
+    for (key, value) in [
+        (
+            "header_read_timeout_ms",
+            api.header_read_timeout_ms as usize,
+        ),
+        ("idle_timeout_ms", api.idle_timeout_ms as usize),
+        ("max_connections", api.max_connections),
+    ] {
+        if value == 0 {
+            return Err(StartupError::ZeroLimit { key });
+        }
+    }
+    Ok(ConnectionLimits {
+        header_read_timeout: Duration::from_millis(api.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(api.idle_timeout_ms),
+        max_connections: api.max_connections,
+    })
 }
 
 fn limits(settings: &Settings) -> Result<Limits, StartupError> {
@@ -309,5 +376,56 @@ async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => tracing::info!("ctrl-c received; shutting down"),
         () = terminate => tracing::info!("sigterm received; shutting down"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_tokens(tokens: &[&str]) -> Settings {
+        let mut settings = quire_config::defaults();
+        settings.api.auth_tokens = tokens.iter().map(|token| (*token).to_owned()).collect();
+        settings
+    }
+
+    #[test]
+    fn without_tokens_only_loopback_is_served_unless_said_on_purpose() {
+        let everywhere: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let error = authentication(&with_tokens(&[]), everywhere).err().unwrap();
+        assert!(matches!(error, StartupError::Unauthenticated { .. }));
+        assert!(
+            error.to_string().contains("api.allow_unauthenticated"),
+            "{error}"
+        );
+        assert!(
+            !authentication(&with_tokens(&[]), loopback)
+                .unwrap()
+                .enabled()
+        );
+        assert!(
+            authentication(&with_tokens(&["t"]), everywhere)
+                .unwrap()
+                .enabled()
+        );
+        let mut open_on_purpose = with_tokens(&[]);
+        open_on_purpose.api.allow_unauthenticated = true;
+        assert!(
+            !authentication(&open_on_purpose, everywhere)
+                .unwrap()
+                .enabled()
+        );
+    }
+
+    #[test]
+    fn an_empty_token_is_an_error_not_authentication_off() {
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        for tokens in [&[""][..], &["", ""], &["a", " "]] {
+            let error = authentication(&with_tokens(tokens), loopback)
+                .err()
+                .unwrap();
+            assert!(matches!(error, StartupError::EmptyToken), "{tokens:?}");
+        }
     }
 }

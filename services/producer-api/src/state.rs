@@ -13,6 +13,7 @@ use crate::kafka_health::KafkaHealth;
 use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
 use crate::publish::{Publisher, RecordsTopic};
+use crate::rate::ControlLimits;
 use crate::storage::Storage;
 use crate::validation::Limits;
 
@@ -32,6 +33,8 @@ pub struct Services {
     pub kafka_health: Arc<KafkaHealth>,
     /// Whether bearer tokens are checked (keys are then scoped per token).
     pub tokens_enabled: bool,
+    /// Cuts and definition changes per stream and per principal.
+    pub control_limits: ControlLimits,
     /// `api.replica_id`, named when a producer is fenced.
     pub replica_id: String,
 }

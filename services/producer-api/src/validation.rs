@@ -105,6 +105,11 @@ fn check_record(index: usize, record: &RawValue, limits: &Limits) -> Result<(), 
             index,
             message: without_position(&error),
         })?;
+    // serde_json keeps the last of two values of one key; the text
+    // published holds both, and other readers may take the first.
+    if let Some(path) = quire_xml::first_duplicate_key(text) {
+        return Err(ApiError::DuplicateKey { index, path });
+    }
     // The very check the renderer runs before it writes a record: what the
     // API accepts, the worker can render.
     quire_xml::check_record(&value).map_err(|problem| match problem {
@@ -397,6 +402,23 @@ mod tests {
                 ApiError::ForbiddenCharacter { index: 0, forbidden }
                     if forbidden.character == '\u{1}' && forbidden.place == FieldPart::Name
             ),
+            "{error:?}"
+        );
+    }
+
+    #[test]
+    fn a_key_named_twice_is_refused_even_when_its_last_value_is_clean() {
+        // Validated on its last value, the first (a NUL) would be published.
+        let body = br#"[{"ok":1}, {"a":"\u0000","a":"ok"}]"#;
+        let error = parse_records(body, BodyFormat::JsonArray, &LIMITS).unwrap_err();
+        assert!(
+            matches!(&error, ApiError::DuplicateKey { index: 1, path } if path == "a"),
+            "{error:?}"
+        );
+        let body = b"{\"o\":{\"k\":1,\"k\":2}}\n";
+        let error = parse_records(body, BodyFormat::Ndjson, &LIMITS).unwrap_err();
+        assert!(
+            matches!(&error, ApiError::DuplicateKey { index: 0, path } if path == "o.k"),
             "{error:?}"
         );
     }

@@ -37,6 +37,7 @@ pub struct ApiSettings {
     pub max_records_per_request: usize,
     #[serde(default)]
     pub auth_tokens: Vec<String>,
+    pub allow_unauthenticated: bool,
     pub producers: usize,
     pub transactional_id_prefix: String,
     pub replica_id: String,
@@ -47,6 +48,11 @@ pub struct ApiSettings {
     pub body_read_timeout_ms: u64,
     pub publish_timeout_ms: u64,
     pub kafka_check_interval_ms: u64,
+    pub header_read_timeout_ms: u64,
+    pub idle_timeout_ms: u64,
+    pub max_connections: usize,
+    pub control_requests_per_minute_per_stream: u32,
+    pub control_requests_per_minute_per_principal: u32,
 }
 
 /// The report generator (see defaults.toml for what each key means).

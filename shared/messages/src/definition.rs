@@ -84,9 +84,25 @@ pub enum DefinitionError {
     #[error("record element {0:?} would be confused with the summary element; choose another name")]
     ReservedRecordName(String),
     #[error(
-        "namespace {0:?} is not usable: it must be a non-empty URI without whitespace, quotes, '<' or '&'"
+        "namespace {0:?} is not usable: it must be a non-empty URI without whitespace, control characters, quotes, '<' or '&'"
     )]
     InvalidNamespace(String),
+    #[error(
+        "{field} {name:?} is reserved: XML keeps `xmlns` and every name starting with `xml` (in any case) for itself; choose another name"
+    )]
+    ReservedName { field: &'static str, name: String },
+    #[error(
+        "namespace {0:?} is reserved by Namespaces in XML and cannot be a document's default namespace"
+    )]
+    ReservedNamespace(String),
+    #[error(
+        "attribute fields {first:?} and {second:?} would both be written as the attribute {name:?}; an element holds each attribute once"
+    )]
+    AttributeCollision {
+        first: String,
+        second: String,
+        name: String,
+    },
 }
 
 impl Definition {

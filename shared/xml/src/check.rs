@@ -137,7 +137,7 @@ pub(crate) fn first_forbidden_character(text: &str) -> Option<char> {
 }
 
 /// A step from a record down to one of its values.
-enum PathSegment<'record> {
+pub(crate) enum PathSegment<'record> {
     Key(&'record str),
     Index(usize),
 }
@@ -225,7 +225,7 @@ fn check_value(value: &Value, depth: usize) -> Result<(), Problem<'_>> {
 
 /// `items[2].name`, with keys that would be ambiguous in that notation
 /// written as JSON strings in brackets: `items[2]["first name"]`.
-fn format_path(reversed_path: &[PathSegment<'_>]) -> String {
+pub(crate) fn format_path(reversed_path: &[PathSegment<'_>]) -> String {
     let mut path = String::new();
     for segment in reversed_path.iter().rev() {
         match segment {

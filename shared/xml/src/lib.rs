@@ -106,11 +106,14 @@
 //! ```
 
 mod check;
+mod duplicates;
 mod names;
 mod render;
 
 pub use check::{FieldPart, ForbiddenCharacter, MAX_NESTING_DEPTH, RenderError, check_record};
+pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
 pub use render::{
     DocumentRenderer, NESTED_ARRAY_ITEM_ELEMENT, Summary, XML_SCHEMA_INSTANCE_NAMESPACE,
+    check_definition,
 };

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use quick_xml::escape::partial_escape;
 use quick_xml::events::attributes::Attribute;
-use quire_messages::{Definition, SUMMARY_ELEMENT, is_xml_name};
+use quire_messages::{Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name};
 use serde_json::{Map, Value};
 
 use crate::check::{RenderError, first_forbidden_character, is_forbidden_character, record_fields};
@@ -186,6 +186,76 @@ impl DocumentRenderer {
             }
         }
     }
+}
+
+/// Refuses every definition that [`DocumentRenderer::new`] would not render
+/// as written: a name it would encode (not an NCName, or `xmlns`) or that
+/// XML reserves (starting with `xml` in any case), a reserved default
+/// namespace (left out) or one with a character XML forbids (replaced), a
+/// control character in it, and two attribute fields written under one
+/// name (the second demoted to an element), besides everything
+/// [`Definition::validate`] refuses. The producer API runs it before it
+/// publishes a definition; decided from the renderer's own choices below,
+/// so the two cannot drift.
+///
+/// Workers keep applying [`Definition::validate`] alone to definitions
+/// already in the log, rendered with those silent repairs, so a replay
+/// renders them exactly as the first run did.
+///
+/// # Errors
+///
+/// The first problem found, naming the field.
+pub fn check_definition(definition: &Definition) -> Result<(), DefinitionError> {
+    definition.validate()?;
+    let reserved = |name: &str| {
+        name.get(..3)
+            .is_some_and(|start| start.eq_ignore_ascii_case("xml"))
+    };
+    let chosen_names = [("root", &definition.root), ("record", &definition.record)]
+        .into_iter()
+        .chain(
+            definition
+                .renames
+                .values()
+                .map(|target| ("rename target", target)),
+        );
+    for (field, name) in chosen_names {
+        if definition_name(name) != name.as_str() || reserved(name) {
+            return Err(DefinitionError::ReservedName {
+                field,
+                name: name.clone(),
+            });
+        }
+    }
+    if let Some(namespace) = &definition.namespace {
+        if RESERVED_NAMESPACES.contains(&namespace.as_str()) {
+            return Err(DefinitionError::ReservedNamespace(namespace.clone()));
+        }
+        if first_forbidden_character(namespace).is_some() || namespace.chars().any(char::is_control)
+        {
+            return Err(DefinitionError::InvalidNamespace(namespace.clone()));
+        }
+    }
+    let fields = named_top_level_fields(definition);
+    let mut written: BTreeMap<&str, &str> = BTreeMap::new();
+    for field in &definition.attributes {
+        let planned = &fields[field.as_str()];
+        if reserved(&planned.xml_name) {
+            return Err(DefinitionError::ReservedName {
+                field: "attribute",
+                name: planned.xml_name.clone(),
+            });
+        }
+        if let Some(first) = written.insert(&planned.xml_name, field) {
+            return Err(DefinitionError::AttributeCollision {
+                first: first.to_owned(),
+                second: field.clone(),
+                name: planned.xml_name.clone(),
+            });
+        }
+        debug_assert!(planned.scalar_as_attribute);
+    }
+    Ok(())
 }
 
 /// The names of the definition's attribute and renamed fields, computed once.
@@ -374,4 +444,63 @@ fn write_number_attribute(out: &mut Vec<u8>, name: &str, value: impl Display) {
     let written = write!(out, "{value}");
     debug_assert!(written.is_ok(), "writing to a Vec cannot fail");
     out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn definition(json: &str) -> Definition {
+        serde_json::from_str(json).expect("a definition")
+    }
+
+    /// Each definition the renderer would change without a word is
+    /// refused, naming what it is about; each still passes the log's
+    /// older check, so workers render what is in the log as before.
+    #[test]
+    fn every_definition_the_renderer_would_change_is_refused() {
+        let refused = [
+            (r#"{"renames":{"a":"xmlns"}}"#, "\"xmlns\""),
+            (r#"{"renames":{"a":"XmlThing"}}"#, "\"XmlThing\""),
+            (r#"{"root":"xml-report"}"#, "root"),
+            (r#"{"record":"xmlns"}"#, "record"),
+            (r#"{"attributes":["xmlfield"]}"#, "attribute"),
+            (r#"{"attributes":["a"],"renames":{"a":"xmlns"}}"#, "xmlns"),
+            (
+                r#"{"namespace":"http://www.w3.org/2000/xmlns/"}"#,
+                "reserved",
+            ),
+            (
+                r#"{"namespace":"http://www.w3.org/XML/1998/namespace"}"#,
+                "reserved",
+            ),
+            (r#"{"namespace":"urn:a\u0001b"}"#, "urn:a"),
+            (r#"{"namespace":"urn:a\u0080b"}"#, "urn:a"),
+            (r#"{"renames":{"a":"x","b":"x"}}"#, "\"x\""),
+            (r#"{"attributes":["a","b"],"renames":{"a":"b"}}"#, "\"b\""),
+        ];
+        for (json, named) in refused {
+            let definition = definition(json);
+            let error = check_definition(&definition).expect_err(json).to_string();
+            assert!(error.contains(named), "{json}: {error}");
+            if !json.contains("\"x\"") {
+                definition
+                    .validate()
+                    .unwrap_or_else(|error| panic!("{json} was valid in the log: {error}"));
+            }
+        }
+    }
+
+    #[test]
+    fn definitions_rendered_as_written_pass() {
+        for json in [
+            r#"{}"#,
+            r#"{"root":"orders","record":"order","namespace":"urn:example:orders"}"#,
+            r#"{"attributes":["id","kind"],"renames":{"kind":"type","text":"body"}}"#,
+            r#"{"renames":{"a":"b"},"attributes":["b"]}"#,
+            r#"{"root":"xm","record":"mlx"}"#,
+        ] {
+            check_definition(&definition(json)).unwrap_or_else(|error| panic!("{json}: {error}"));
+        }
+    }
 }

@@ -53,8 +53,19 @@ pub async fn put_definition(
             found: content_type,
         });
     }
-    let body = read_body(body, &headers, MAX_DEFINITION_BYTES).await?;
+    // Bounded like the records route's: a definition sent slowly holds
+    // its connection no longer than api.body_read_timeout_ms.
+    let timeout = state.limits.body_read_timeout;
+    let body = tokio::time::timeout(timeout, read_body(body, &headers, MAX_DEFINITION_BYTES))
+        .await
+        .map_err(|_elapsed| ApiError::BodyTimeout {
+            limit_ms: timeout.as_millis() as u64,
+        })??;
     let definition = parse_definition(&body)?;
+    state.control_limits.check(
+        &crate::auth::principal(&headers, state.tokens_enabled),
+        stream.as_str(),
+    )?;
     let message = state.records_topic.control_message(
         MessageKind::Definition,
         &stream,
@@ -98,8 +109,9 @@ fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
             Definition::NEWEST_VERSION
         )));
     }
-    definition
-        .validate()
+    // Refused here is everything the renderer would not write as asked;
+    // what is in the log already renders as it always did.
+    quire_xml::check_definition(&definition)
         .map_err(|error| ApiError::InvalidDefinition(error.to_string()))?;
     definition.v = definition.required_version();
     Ok(definition)

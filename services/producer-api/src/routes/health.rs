@@ -47,16 +47,26 @@ pub struct Check {
 }
 
 impl Check {
-    fn from_result<E: std::fmt::Display>(result: Result<(), E>) -> Self {
+    /// A passed check, or a failed one whose answer says only `public`:
+    /// `/readyz` stays open when authentication is on, so the reason
+    /// itself (broker addresses, the bucket, the endpoint) goes to the log.
+    fn from_result<E: std::fmt::Display>(
+        what: &'static str,
+        public: &'static str,
+        result: Result<(), E>,
+    ) -> Self {
         match result {
             Ok(()) => Check {
                 ok: true,
                 error: None,
             },
-            Err(error) => Check {
-                ok: false,
-                error: Some(error.to_string()),
-            },
+            Err(error) => {
+                tracing::warn!(check = what, reason = %error, "readiness check failed");
+                Check {
+                    ok: false,
+                    error: Some(format!("{public} (the API's log has the details)")),
+                }
+            }
         }
     }
 }
@@ -82,9 +92,17 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readines
         ))
     };
     let checks = Checks {
-        kafka: Check::from_result(kafka),
-        s3: Check::from_result(s3),
-        producers: Check::from_result(producers),
+        kafka: Check::from_result(
+            "kafka",
+            "kafka does not answer; publishing requests are answered 503",
+            kafka,
+        ),
+        s3: Check::from_result("s3", "the report store does not answer", s3),
+        producers: Check::from_result(
+            "producers",
+            "some kafka producers are unusable and being recreated",
+            producers,
+        ),
     };
     let ready = checks.kafka.ok && checks.s3.ok && checks.producers.ok;
     if !ready {

@@ -73,7 +73,12 @@ fn content_path(id: &ReportId) -> String {
 pub async fn post_cut(
     State(state): State<AppState>,
     StreamPath(stream): StreamPath,
+    headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
+    state.control_limits.check(
+        &crate::auth::principal(&headers, state.tokens_enabled),
+        stream.as_str(),
+    )?;
     let marker = state.records_topic.control_message(
         MessageKind::Cut,
         &stream,
@@ -154,6 +159,30 @@ pub async fn get_report_content(
     let mut response = Response::new(Body::from_stream(chunks));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    // A report is data, never active content: a definition may name the
+    // XHTML namespace and a `script` field, and a browser opening the
+    // document inline would run it. So it is downloaded under a name of
+    // quire's own making (the report id, whose characters are fixed), not
+    // sniffed, and sandboxed should it be rendered anyway.
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("sandbox"),
+    );
+    let extension = if manifest.key.ends_with(".gz") {
+        "xml.gz"
+    } else {
+        "xml"
+    };
+    if let Ok(disposition) = HeaderValue::try_from(format!(
+        "attachment; filename=\"{}.{extension}\"",
+        view.report_id
+    )) {
+        headers.insert(header::CONTENT_DISPOSITION, disposition);
+    }
     if let Some(length) = object
         .content_length
         .and_then(|length| u64::try_from(length).ok())
