@@ -40,6 +40,37 @@ fn sequence_numbers(bodies: &[Value]) -> Vec<u64> {
         .collect()
 }
 
+/// A retry of one array through another spelling of its stream's path
+/// (`%69` for `i`) is the same request: answered from the first, published
+/// once. The key used to be scoped by the raw path, and published again.
+#[tokio::test]
+async fn a_retry_through_an_encoded_stream_path_is_a_replay() {
+    let stack = TestStack::create("api-idem-path").await;
+    let api = stack.start_api().await;
+    let stream = unique("idem");
+    let encoded = format!("%69{}", &stream[1..]);
+    let array = json!(records(&stream, 0, 5));
+    let (status, headers, first) = api
+        .post(
+            &format!("/v1/streams/{encoded}/records"),
+            &array,
+            Some(b"k"),
+        )
+        .await;
+    assert_eq!(status, 200, "{first}");
+    assert!(headers.get("idempotent-replayed").is_none());
+    let (status, headers, again) = api
+        .post(&format!("/v1/streams/{stream}/records"), &array, Some(b"k"))
+        .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, first);
+    assert_eq!(
+        sequence_numbers(&committed_bodies(&stack, &stream)),
+        (0..5).collect::<Vec<u64>>()
+    );
+}
+
 #[tokio::test]
 async fn a_retried_array_is_answered_once_and_published_once() {
     let stack = TestStack::create("api-idem").await;

@@ -104,13 +104,14 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
         return Ok(response);
     };
 
+    let path = canonical_path(parts.uri.path());
     let scoped = ScopedKey {
         principal: auth::principal(&parts.headers, state.tokens_enabled),
         method: parts.method.as_str().to_owned(),
-        path: parts.uri.path().to_owned(),
+        path: path.clone().into_owned(),
         key,
     };
-    let fingerprint = idempotency::fingerprint(parts.method.as_str(), parts.uri.path(), &body);
+    let fingerprint = idempotency::fingerprint(parts.method.as_str(), &path, &body);
     let claim = match state.idempotency.begin(scoped, fingerprint) {
         Begin::Replay(stored) => {
             state.metrics.idempotent_replay();
@@ -194,6 +195,16 @@ fn replay(stored: &StoredResponse) -> Response {
     response
 }
 
+/// The path as the router reads it, percent-decoded: `/v1/streams/%73/records`
+/// and `/v1/streams/s/records` name one stream, so they share their keys
+/// (else a retry through the other spelling would publish again). A path
+/// that does not decode to UTF-8 stays as sent; the router refuses it.
+fn canonical_path(path: &str) -> std::borrow::Cow<'_, str> {
+    percent_encoding::percent_decode_str(path)
+        .decode_utf8()
+        .unwrap_or(std::borrow::Cow::Borrowed(path))
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -226,6 +237,16 @@ mod tests {
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&calls);
         let router = Router::new()
+            .route(
+                "/streams/{stream}/records",
+                post({
+                    let counted = Arc::clone(&counted);
+                    move || async move {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        StatusCode::OK
+                    }
+                }),
+            )
             .route(
                 "/records",
                 post(move |body: axum::body::Bytes| async move {
@@ -281,6 +302,28 @@ mod tests {
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         assert_eq!(gate.in_flight_bytes.held(), 0, "a request kept its bytes");
+    }
+
+    /// A retry through another spelling of the same stream is a replay.
+    #[tokio::test]
+    async fn a_key_is_scoped_by_the_stream_however_its_path_is_spelled() {
+        let (router, _gate, calls) = gated(1000);
+        let mut replayed = Vec::new();
+        for path in ["/streams/%73/records", "/streams/s/records"] {
+            let request = Request::post(path)
+                .header(idempotency::HEADER, "one-key")
+                .body(Body::from("[{}]"))
+                .unwrap();
+            let response = router.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            replayed.push(
+                response
+                    .headers()
+                    .contains_key(idempotency::REPLAYED_HEADER),
+            );
+        }
+        assert_eq!(replayed, [false, true]);
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "published once");
     }
 
     #[tokio::test]
