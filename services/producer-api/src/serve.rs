@@ -118,6 +118,25 @@ impl<S> IdleTimeout<S> {
     fn expired(&mut self, context: &mut Context<'_>) -> bool {
         self.deadline.as_mut().poll(context).is_ready()
     }
+
+    /// A write that moved bytes resets the deadline; one that stalls past
+    /// it (a client that stops reading) fails: that is idle too.
+    fn after_write(
+        &mut self,
+        context: &mut Context<'_>,
+        written: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match written {
+            Poll::Ready(result) => {
+                if matches!(result, Ok(count) if count > 0) {
+                    self.moved();
+                }
+                Poll::Ready(result)
+            }
+            Poll::Pending if self.expired(context) => Poll::Ready(Err(idle_error())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 fn idle_error() -> io::Error {
@@ -155,17 +174,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<S> {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_write(context, data) {
-            Poll::Ready(result) => {
-                if matches!(result, Ok(written) if written > 0) {
-                    this.moved();
-                }
-                Poll::Ready(result)
-            }
-            // A client that stops reading stalls the writes: that is idle too.
-            Poll::Pending if this.expired(context) => Poll::Ready(Err(idle_error())),
-            Poll::Pending => Poll::Pending,
-        }
+        let written = Pin::new(&mut this.stream).poll_write(context, data);
+        this.after_write(context, written)
     }
 
     fn poll_write_vectored(
@@ -174,16 +184,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for IdleTimeout<S> {
         buffers: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_write_vectored(context, buffers) {
-            Poll::Ready(result) => {
-                if matches!(result, Ok(written) if written > 0) {
-                    this.moved();
-                }
-                Poll::Ready(result)
-            }
-            Poll::Pending if this.expired(context) => Poll::Ready(Err(idle_error())),
-            Poll::Pending => Poll::Pending,
-        }
+        let written = Pin::new(&mut this.stream).poll_write_vectored(context, buffers);
+        this.after_write(context, written)
     }
 
     fn is_write_vectored(&self) -> bool {
