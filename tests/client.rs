@@ -267,3 +267,11 @@ pub struct Answer {
     pub retry_after: Option<Duration>,
     pub body: Value,
 }
+
+/// The `api.tokens` entry of the token `token`, named `name`.
+pub fn token_line(name: &str, token: &str, scopes: &str, streams: &str) -> quire_config::ApiToken {
+    let digest = hex::encode(quire_config::ApiToken::digest_of(token));
+    format!("{name}:{digest}:{scopes}:{streams}")
+        .parse()
+        .expect("a valid token line")
+}

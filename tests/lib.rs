@@ -3,7 +3,8 @@
 //! their services), [`services`] (starting the real binaries with those
 //! settings), [`client`] (requests to a started API), [`observe`] (what a
 //! run left in Kafka and S3, and the exactly-once checks), [`kafka_process`]
-//! (private brokers a test may crash) and [`s3`]; here, settings from the
+//! (private brokers a test may crash), [`s3`] and [`tls`] (an HTTPS
+//! endpoint in front of a started API); here, settings from the
 //! running local stack, unique names, and topics that clean up after
 //! themselves.
 //!
@@ -332,6 +333,7 @@ pub mod observe;
 pub mod s3;
 pub mod services;
 pub mod stack;
+pub mod tls;
 
 pub use client::{Answer, Attempt, NoAnswer};
 pub use observe::{Observed, Report};

@@ -42,6 +42,8 @@ pub struct Launch {
     pub settings: Settings,
     variables: Vec<(String, String)>,
     drain: bool,
+    /// Where the log goes instead of stderr, and its filter.
+    log: Option<(PathBuf, String)>,
 }
 
 impl TestStack {
@@ -88,7 +90,15 @@ impl Launch {
             settings,
             variables: Vec::new(),
             drain: false,
+            log: None,
         }
+    }
+
+    /// Writes the service's log, at the `RUST_LOG` filter `filter`, to the
+    /// file `path` instead of the test's stderr (to read what it logged).
+    pub fn log_to(mut self, path: &std::path::Path, filter: &str) -> Launch {
+        self.log = Some((path.to_owned(), filter.to_owned()));
+        self
     }
 
     /// Changes the typed settings.
@@ -134,6 +144,10 @@ impl Launch {
                 std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .stdin(Stdio::null());
+        if let Some((path, filter)) = &self.log {
+            let file = std::fs::File::create(path).expect("create the service's log file");
+            command.env("RUST_LOG", filter).stderr(file);
+        }
         if self.drain {
             command.arg("--drain");
         }
@@ -426,7 +440,9 @@ mod tests {
         settings.kafka.topics.records = "t.records".into();
         settings.s3.bucket = "a-bucket".into();
         settings.s3.report_retention_days = 3;
-        settings.api.auth_tokens = vec!["one".into(), "two".into()];
+        settings.api.tokens = ["one", "two"]
+            .map(|name| crate::client::token_line(name, name, "read+write", "*"))
+            .to_vec();
         settings.api.max_in_flight_bytes = 4096;
         settings.worker.replica_id = "w9".into();
         settings.worker.rollover_records = 3;

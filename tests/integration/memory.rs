@@ -214,7 +214,7 @@ async fn a_backlog_far_larger_than_the_memory_budget_is_reported_within_it() {
             BUDGET / MIB,
             OVERHEAD / MIB
         );
-        if samples % 4 == 0 {
+        if samples.is_multiple_of(4) {
             counted.sample(&http, &metrics_base).await;
         }
         samples += 1;

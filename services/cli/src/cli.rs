@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use quire_config::Secret;
 
 /// Where `deploy/local/services up` runs the producer API.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:18080";
@@ -29,7 +30,15 @@ pub struct GlobalOptions {
     pub api_url: String,
     /// Bearer token for the API (sent as `Authorization: Bearer TOKEN`).
     #[arg(long, env = "QUIRE_API_TOKEN", hide_env_values = true, global = true)]
-    pub token: Option<String>,
+    pub token: Option<Secret>,
+    /// A PEM file of the certificate authority (or self-signed certificate)
+    /// that an `https://` API presents, trusted beside the system's roots.
+    #[arg(long, env = "QUIRE_API_CA_CERT", global = true)]
+    pub ca_cert: Option<PathBuf>,
+    /// Send the token over plain `http://` to a host that is not loopback
+    /// (refused by default: anyone on the path could read it).
+    #[arg(long, global = true)]
+    pub allow_plain_http: bool,
     /// Machine-readable output: JSON on stdout (one document per line), errors as JSON on stderr.
     #[arg(long, global = true)]
     pub json: bool,
@@ -50,6 +59,30 @@ pub enum Command {
     /// Print each new completed report of the streams as it appears. Polls
     /// `GET /v1/streams/{stream}/reports` every `--interval`.
     Watch(WatchArgs),
+    /// Make API tokens (the API itself holds only their digests).
+    #[command(subcommand)]
+    Token(TokenCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Make a new random token; prints it (for the client, e.g.
+    /// QUIRE_API_TOKEN) and its `api.tokens` line (for the API, e.g.
+    /// QUIRE_API__TOKENS). The token is shown once: it is never stored.
+    New(NewTokenArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct NewTokenArgs {
+    /// The token's name in the API's table, logs and errors.
+    #[arg(long)]
+    pub name: String,
+    /// `read`, `write` or `read+write`.
+    #[arg(long, default_value = "read+write")]
+    pub scopes: String,
+    /// Stream-name prefixes the token reaches, joined by `+`; `*` for all.
+    #[arg(long, default_value = "*")]
+    pub streams: String,
 }
 
 #[derive(Debug, Args)]
@@ -199,12 +232,19 @@ mod tests {
             "--api",
             "http://h:1",
             "--token",
-            "t",
+            "tok-secret-42",
         ])
         .unwrap();
         assert!(cli.global.json);
         assert_eq!(cli.global.api_url, "http://h:1");
-        assert_eq!(cli.global.token.as_deref(), Some("t"));
+        assert_eq!(
+            cli.global.token.as_ref().map(Secret::expose),
+            Some("tok-secret-42")
+        );
+        assert!(
+            !format!("{cli:?}").contains("tok-secret-42"),
+            "the token shows in Debug"
+        );
         let Command::Send(send) = cli.command else {
             panic!("not send")
         };

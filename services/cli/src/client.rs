@@ -7,7 +7,9 @@ use reqwest::{Response, StatusCode, header};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::cli::GlobalOptions;
 use crate::error::{ApiError, CliError};
+use quire_config::Secret;
 
 /// The request header of the IETF httpapi idempotency-key draft.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
@@ -15,7 +17,18 @@ pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 pub struct ApiClient {
     http: reqwest::Client,
     base_url: String,
-    token: Option<String>,
+    token: Option<Secret>,
+}
+
+fn is_loopback(url: &reqwest::Url) -> bool {
+    let Some(host) = url.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|address| address.is_loopback())
 }
 
 /// `POST /v1/streams/{stream}/records`'s answer.
@@ -33,23 +46,65 @@ pub struct ReportPage {
 }
 
 impl ApiClient {
-    pub fn new(base_url: &str, token: Option<String>) -> Result<Self, CliError> {
-        let http = reqwest::Client::builder()
+    /// A client of the API at `--api`, with `--token` and `--ca-cert`.
+    /// Refuses to send a token in clear text beyond loopback unless
+    /// `--allow-plain-http` says so.
+    pub fn new(global: &GlobalOptions) -> Result<Self, CliError> {
+        let base_url = global.api_url.as_str();
+        let url = reqwest::Url::parse(base_url).map_err(|error| {
+            CliError::Usage(format!("--api {base_url:?} is not a URL: {error}"))
+        })?;
+        let token = global.token.clone().filter(|token| !token.is_empty());
+        match url.scheme() {
+            "https" => {}
+            "http" if token.is_none() || global.allow_plain_http || is_loopback(&url) => {}
+            "http" => {
+                return Err(CliError::Usage(format!(
+                    "refusing to send the API token in clear text to {base_url}: use https:// (the API behind a TLS proxy), or --allow-plain-http if the network is trusted"
+                )));
+            }
+            other => {
+                return Err(CliError::Usage(format!(
+                    "--api {base_url:?}: the scheme must be http or https, not {other}"
+                )));
+            }
+        }
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             // The API closes a connection left idle for its header timeout
             // (api.header_read_timeout_ms, 30 s by default); reusing one it
             // is closing would fail the request, so let go of them sooner.
             .pool_idle_timeout(Duration::from_secs(20))
-            .user_agent(concat!("quire-cli/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|source| CliError::Http {
-                url: base_url.to_owned(),
+            .user_agent(concat!("quire-cli/", env!("CARGO_PKG_VERSION")));
+        if let Some(path) = &global.ca_cert {
+            let pem = std::fs::read(path).map_err(|source| CliError::Io {
+                context: format!("cannot read --ca-cert {}", path.display()),
                 source,
             })?;
+            let certificates = reqwest::Certificate::from_pem_bundle(&pem).map_err(|error| {
+                CliError::Usage(format!(
+                    "--ca-cert {} holds no PEM certificate: {error}",
+                    path.display()
+                ))
+            })?;
+            if certificates.is_empty() {
+                return Err(CliError::Usage(format!(
+                    "--ca-cert {} holds no PEM certificate",
+                    path.display()
+                )));
+            }
+            for certificate in certificates {
+                builder = builder.add_root_certificate(certificate);
+            }
+        }
+        let http = builder.build().map_err(|source| CliError::Http {
+            url: base_url.to_owned(),
+            source,
+        })?;
         Ok(Self {
             http,
             base_url: base_url.trim_end_matches('/').to_owned(),
-            token: token.filter(|token| !token.is_empty()),
+            token,
         })
     }
 
@@ -60,7 +115,7 @@ impl ApiClient {
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let builder = self.http.request(method, self.url(path));
         match &self.token {
-            Some(token) => builder.bearer_auth(token),
+            Some(token) => builder.bearer_auth(token.expose()),
             None => builder,
         }
     }

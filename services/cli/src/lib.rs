@@ -9,6 +9,7 @@ pub mod records;
 pub mod reports;
 pub mod send;
 pub mod state;
+pub mod token;
 
 use cli::{Cli, Command};
 use client::ApiClient;
@@ -16,8 +17,12 @@ use error::CliError;
 
 /// Runs one command to its end.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
-    let client = ApiClient::new(&cli.global.api_url, cli.global.token.clone())?;
+    if let Command::Token(command) = &cli.command {
+        return token::run(&cli.global, command);
+    }
+    let client = ApiClient::new(&cli.global)?;
     match &cli.command {
+        Command::Token(_) => unreachable!("answered above"),
         Command::Send(arguments) => send::run(&client, &cli.global, arguments).await,
         Command::Cut(arguments) => reports::cut(&client, &cli.global, arguments).await,
         Command::Status(arguments) => reports::status(&client, &cli.global, arguments).await,

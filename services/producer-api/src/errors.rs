@@ -70,6 +70,17 @@ pub enum ApiError {
     #[error("{0}")]
     Unauthorized(AuthFailure),
 
+    #[error("{}", forbidden_message(token, *scope, stream, *has_scope, reaches))]
+    Forbidden {
+        /// The token's name in `api.tokens` (never the token).
+        token: String,
+        scope: quire_config::Scope,
+        stream: String,
+        has_scope: bool,
+        /// The token's prefixes as configured (`orders-+billing-`, `*`).
+        reaches: String,
+    },
+
     #[error("no route {method} {path}; the API lives under /v1 (see README.md)")]
     RouteNotFound { method: String, path: String },
 
@@ -149,7 +160,7 @@ pub enum ApiError {
     IdempotencyKeyReused,
 
     #[error(
-        "the first request with this Idempotency-Key is still being handled; retry after it is answered to get its answer"
+        "the first request with this Idempotency-Key is still being handled, or its commit's outcome is being read from the log; nothing is published twice: retry after Retry-After seconds to get its answer"
     )]
     IdempotencyKeyInProgress,
 
@@ -191,11 +202,29 @@ pub enum ApiError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum AuthFailure {
     #[error(
-        "this endpoint needs an `Authorization: Bearer <token>` header with one of the tokens in api.auth_tokens"
+        "this endpoint needs an `Authorization: Bearer <token>` header with a token whose digest is in api.tokens"
     )]
     Missing,
-    #[error("the bearer token is not one of the tokens in api.auth_tokens")]
+    #[error("the bearer token is not one of the tokens in api.tokens")]
     Rejected,
+}
+
+fn forbidden_message(
+    token: &str,
+    scope: quire_config::Scope,
+    stream: &str,
+    has_scope: bool,
+    reaches: &str,
+) -> String {
+    if has_scope {
+        format!(
+            "the token {token:?} does not reach stream {stream:?}: it reaches the streams {reaches}"
+        )
+    } else {
+        format!(
+            "the token {token:?} lacks the {scope} scope that this route needs (stream {stream:?})"
+        )
+    }
 }
 
 impl ApiError {
@@ -216,6 +245,7 @@ impl ApiError {
             ApiError::InvalidIdempotencyKey(_) => (S::BAD_REQUEST, "invalid_idempotency_key"),
             ApiError::Storage(StorageError::BadContinuation) => (S::BAD_REQUEST, "invalid_query"),
             ApiError::Unauthorized(_) => (S::UNAUTHORIZED, "unauthorized"),
+            ApiError::Forbidden { .. } => (S::FORBIDDEN, "forbidden"),
             ApiError::RouteNotFound { .. } => (S::NOT_FOUND, "not_found"),
             ApiError::ReportNotFound { .. } => (S::NOT_FOUND, "report_not_found"),
             ApiError::DefinitionNotFound { .. } => (S::NOT_FOUND, "definition_not_found"),
@@ -352,6 +382,18 @@ impl ApiError {
             | ApiError::ReportPending { id }
             | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
             ApiError::DefinitionNotFound { stream } => json!({"stream": stream}),
+            ApiError::Forbidden {
+                scope,
+                stream,
+                has_scope,
+                ..
+            } => {
+                if *has_scope {
+                    json!({"stream": stream})
+                } else {
+                    json!({"missing_scope": scope.as_str(), "stream": stream})
+                }
+            }
             ApiError::DefinitionCopyFailed { id, .. } => json!({"id": id}),
             _ => json!({}),
         };

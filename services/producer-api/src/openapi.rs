@@ -86,6 +86,43 @@ mod tests {
         assert_eq!(documented, served);
     }
 
+    /// Each token route states the scope it needs, and its 401 and 403.
+    #[test]
+    fn every_guarded_operation_names_its_scope_and_its_refusals() {
+        use crate::routes::Access;
+        let document = document();
+        for route in ROUTES {
+            let operation = &document["paths"][route.path][route.method.to_lowercase()];
+            let responses = &operation["responses"];
+            match route.access {
+                Access::Token(scope) => {
+                    assert_eq!(
+                        operation["x-quire-scope"].as_str(),
+                        Some(scope.as_str()),
+                        "{} {}",
+                        route.method,
+                        route.path
+                    );
+                    for status in ["401", "403"] {
+                        assert!(
+                            responses[status].is_object(),
+                            "{} {} lists no {status}",
+                            route.method,
+                            route.path
+                        );
+                    }
+                }
+                Access::Open => assert_eq!(
+                    operation["security"],
+                    serde_json::json!([]),
+                    "{} {} is open",
+                    route.method,
+                    route.path
+                ),
+            }
+        }
+    }
+
     #[test]
     fn every_operation_lists_its_answers_and_every_reference_resolves() {
         let document = document();

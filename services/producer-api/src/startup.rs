@@ -42,11 +42,11 @@ pub enum StartupError {
     #[error("api.{key} is 0; it must be at least 1")]
     ZeroLimit { key: &'static str },
     #[error(
-        "api.auth_tokens holds an empty token (a stray comma in QUIRE_API__AUTH_TOKENS?); every token must be non-empty, and an empty list is not a way to turn authentication off"
+        "api.tokens lists {first:?} and {second:?} with the same name or the same digest; each token needs a name and a token of its own"
     )]
-    EmptyToken,
+    DuplicateToken { first: String, second: String },
     #[error(
-        "refusing to listen on {address} without authentication: anyone who reaches it could publish and read every report; set api.auth_tokens, listen on a loopback address, or set api.allow_unauthenticated = true on purpose"
+        "refusing to listen on {address} without authentication: anyone who reaches it could publish and read every report; set api.tokens, listen on a loopback address, or set api.allow_unauthenticated = true on purpose"
     )]
     Unauthenticated { address: SocketAddr },
     #[error(
@@ -221,10 +221,17 @@ impl Application {
 /// unless `api.allow_unauthenticated` says otherwise.
 fn authentication(settings: &Settings, address: SocketAddr) -> Result<BearerTokens, StartupError> {
     let api = &settings.api;
-    if api.auth_tokens.iter().any(|token| token.trim().is_empty()) {
-        return Err(StartupError::EmptyToken);
+    for (index, token) in api.tokens.iter().enumerate() {
+        for earlier in &api.tokens[..index] {
+            if earlier.name == token.name || earlier.sha256 == token.sha256 {
+                return Err(StartupError::DuplicateToken {
+                    first: earlier.name.clone(),
+                    second: token.name.clone(),
+                });
+            }
+        }
     }
-    let tokens = BearerTokens::new(&api.auth_tokens);
+    let tokens = BearerTokens::new(&api.tokens);
     if !tokens.enabled() && !address.ip().is_loopback() && !api.allow_unauthenticated {
         return Err(StartupError::Unauthenticated { address });
     }
@@ -321,14 +328,16 @@ pub fn router(services: AppState, tokens: BearerTokens) -> Router {
         };
         // Routing one path twice merges its methods.
         match route.access {
-            Access::Token => protected = protected.route(route.path, handler),
+            Access::Token(scope) => {
+                let handler = handler.route_layer(middleware::from_fn_with_state(
+                    (tokens.clone(), scope),
+                    auth::require_scope,
+                ));
+                protected = protected.route(route.path, handler);
+            }
             Access::Open => open = open.route(route.path, handler),
         }
     }
-    let protected = protected.route_layer(middleware::from_fn_with_state(
-        tokens,
-        auth::require_bearer_token,
-    ));
     protected
         .merge(open)
         .fallback(route_not_found)
@@ -385,7 +394,13 @@ mod tests {
 
     fn with_tokens(tokens: &[&str]) -> Settings {
         let mut settings = quire_config::defaults();
-        settings.api.auth_tokens = tokens.iter().map(|token| (*token).to_owned()).collect();
+        settings.api.tokens = tokens
+            .iter()
+            .map(|name| {
+                let digest = hex::encode(quire_config::ApiToken::digest_of(name));
+                format!("{name}:{digest}:read+write:*").parse().unwrap()
+            })
+            .collect();
         settings
     }
 
@@ -419,13 +434,22 @@ mod tests {
     }
 
     #[test]
-    fn an_empty_token_is_an_error_not_authentication_off() {
+    fn two_tokens_with_one_name_or_one_digest_are_an_error() {
         let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
-        for tokens in [&[""][..], &["", ""], &["a", " "]] {
-            let error = authentication(&with_tokens(tokens), loopback)
-                .err()
-                .unwrap();
-            assert!(matches!(error, StartupError::EmptyToken), "{tokens:?}");
-        }
+        let mut settings = with_tokens(&["a", "b"]);
+        assert!(authentication(&settings, loopback).is_ok());
+        settings.api.tokens[1].name = "a".into();
+        let error = authentication(&settings, loopback).err().unwrap();
+        assert!(
+            matches!(error, StartupError::DuplicateToken { .. }),
+            "{error}"
+        );
+        let mut settings = with_tokens(&["a", "b"]);
+        settings.api.tokens[1].sha256 = settings.api.tokens[0].sha256;
+        let error = authentication(&settings, loopback).err().unwrap();
+        assert!(
+            matches!(error, StartupError::DuplicateToken { .. }),
+            "{error}"
+        );
     }
 }

@@ -6,13 +6,16 @@
 //! underscores between levels, e.g. `QUIRE_KAFKA__BOOTSTRAP_SERVERS`).
 
 mod telemetry;
+mod tokens;
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 pub use telemetry::{LogFormat, init_telemetry};
+pub use tokens::{ApiToken, Scope, Secret, TokenLineError, is_secret_property};
 
 const DEFAULTS: &str = include_str!("defaults.toml");
 
@@ -35,8 +38,9 @@ pub struct ApiSettings {
     pub max_body_bytes: usize,
     pub max_record_bytes: usize,
     pub max_records_per_request: usize,
+    /// Accepted bearer tokens, as digests with scopes (see [`ApiToken`]).
     #[serde(default)]
-    pub auth_tokens: Vec<String>,
+    pub tokens: Vec<ApiToken>,
     pub allow_unauthenticated: bool,
     pub producers: usize,
     pub transactional_id_prefix: String,
@@ -101,8 +105,9 @@ pub struct LogSettings {
     pub format: LogFormat,
 }
 
-/// How to reach Kafka and which topics quire uses.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+/// How to reach Kafka and which topics quire uses. Its Debug output shows
+/// secret properties (SASL and SSL passwords, keys) as `[redacted]`.
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSettings {
     pub bootstrap_servers: String,
@@ -137,6 +142,40 @@ pub struct S3Settings {
     pub retention_sweep_minutes: u64,
 }
 
+impl fmt::Debug for KafkaSettings {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("KafkaSettings")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("transaction_timeout_ms", &self.transaction_timeout_ms)
+            .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("topics", &self.topics)
+            .field("properties", &RedactedProperties(&self.properties))
+            .finish()
+    }
+}
+
+static REDACTED: Secret = Secret::redacted();
+
+/// Pass-through properties with the values of secret ones hidden.
+pub struct RedactedProperties<'a>(pub &'a BTreeMap<String, String>);
+
+impl fmt::Debug for RedactedProperties<'_> {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_map()
+            .entries(self.0.iter().map(|(key, value)| {
+                let shown: &dyn fmt::Debug = if is_secret_property(key) {
+                    &REDACTED
+                } else {
+                    value
+                };
+                (key, shown)
+            }))
+            .finish()
+    }
+}
+
 impl KafkaSettings {
     /// Settings for a broker at `bootstrap_servers` with every other value
     /// at its default; handy for tools and tests.
@@ -169,6 +208,10 @@ pub enum ConfigError {
     },
     #[error("invalid configuration: {0}")]
     Invalid(#[from] config::ConfigError),
+    #[error(
+        "api.auth_tokens (plain-text tokens) was replaced by api.tokens, which holds each token's SHA-256 digest and scopes: `quire token new --name <name>` prints a token and its api.tokens line"
+    )]
+    PlainTokens,
 }
 
 /// Loads the settings: defaults, then `file` if given, then `QUIRE_` environment
@@ -230,15 +273,35 @@ fn load_from(
                 .separator("__")
                 .try_parsing(true)
                 .list_separator(",")
-                .with_list_parse_key("api.auth_tokens"),
+                .with_list_parse_key("api.tokens"),
         );
     }
-    Ok(builder.build()?.try_deserialize()?)
+    builder.build()?.try_deserialize().map_err(|error| {
+        if error.to_string().contains("unknown field `auth_tokens`") {
+            ConfigError::PlainTokens
+        } else {
+            ConfigError::Invalid(error)
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const TWO_TOKENS: &str = "a:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08:read:*,b:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a09:read+write:orders-";
+
+    #[test]
+    fn plain_text_tokens_are_refused_with_the_way_forward() {
+        let environment = config::Environment::with_prefix("QUIRE").source(Some(
+            [("QUIRE_API__AUTH_TOKENS".to_owned(), "hunter2".to_owned())]
+                .into_iter()
+                .collect(),
+        ));
+        let error = load_from(None, Some(environment)).unwrap_err().to_string();
+        assert!(error.contains("quire token new"), "{error}");
+        assert!(!error.contains("hunter2"), "{error}");
+    }
 
     #[test]
     fn defaults_name_the_design_topics() {
@@ -257,7 +320,8 @@ mod tests {
                 ("QUIRE_KAFKA__PROPERTIES__SSL_CA_LOCATION", "/etc/ca.pem"),
                 ("QUIRE_S3__BUCKET", "other"),
                 ("QUIRE_LOG__FORMAT", "json"),
-                ("QUIRE_API__AUTH_TOKENS", "token-a,token-b"),
+                ("QUIRE_API__TOKENS", TWO_TOKENS),
+                ("QUIRE_KAFKA__PROPERTIES__SASL_PASSWORD", "hunter2"),
             ]
             .into_iter()
             .map(|(key, value)| (key.to_owned(), value.to_owned()))
@@ -267,7 +331,21 @@ mod tests {
         assert_eq!(settings.kafka.bootstrap_servers, "10.0.0.1:9092");
         assert_eq!(settings.s3.bucket, "other");
         assert_eq!(settings.log.format, LogFormat::Json);
-        assert_eq!(settings.api.auth_tokens, ["token-a", "token-b"]);
+        let lines: Vec<String> = settings
+            .api
+            .tokens
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(lines.join(","), TWO_TOKENS);
+        // The password reaches librdkafka, and no Debug output.
+        assert_eq!(
+            settings.kafka.client_properties().get("sasl.password"),
+            Some(&"hunter2".to_owned())
+        );
+        let printed = format!("{settings:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("sasl_password"), "{printed}");
         assert_eq!(
             settings.kafka.client_properties().get("ssl.ca.location"),
             Some(&"/etc/ca.pem".to_owned())

@@ -73,7 +73,7 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
 }
 
 fn admin_client(settings: &KafkaSettings) -> Result<AdminClient<DefaultClientContext>, QueueError> {
-    base_config(settings)?.create().map_err(QueueError::Client)
+    base_config(settings)?.create().map_err(QueueError::client)
 }
 
 fn options(settings: &KafkaSettings) -> AdminOptions {
@@ -141,11 +141,11 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
     let timeout = Duration::from_millis(settings.request_timeout_ms);
     let metadata_client: BaseConsumer = base_config(settings)?
         .create()
-        .map_err(QueueError::Client)?;
+        .map_err(QueueError::client)?;
     let metadata =
         tokio::task::spawn_blocking(move || metadata_client.fetch_metadata(None, timeout))
             .await?
-            .map_err(QueueError::Client)?;
+            .map_err(QueueError::client)?;
     let resources: Vec<ResourceSpecifier<'_>> = specs
         .iter()
         .map(|spec| ResourceSpecifier::Topic(&spec.name))

@@ -160,10 +160,10 @@ impl ArrayConsumer {
         let context = QueueContext::new(&options.topic, timeout);
         let consumer: BaseConsumer<QueueContext> = config
             .create_with_context(context)
-            .map_err(QueueError::Client)?;
+            .map_err(QueueError::client)?;
         consumer
             .subscribe(&[&options.topic])
-            .map_err(QueueError::Client)?;
+            .map_err(QueueError::client)?;
         Ok(ArrayConsumer {
             consumer: Arc::new(consumer),
             poll_lock: Arc::new(Mutex::new(())),

@@ -63,6 +63,23 @@ pub enum QueueError {
     Join(String),
 }
 
+impl QueueError {
+    /// A client that could not be created. librdkafka's configuration
+    /// error quotes the refused value; a secret property's value (a SASL
+    /// or SSL password, a key) is replaced by `[redacted]` before the error
+    /// can reach a log.
+    pub fn client(error: KafkaError) -> Self {
+        QueueError::Client(match error {
+            KafkaError::ClientConfig(result, description, key, _value)
+                if quire_config::is_secret_property(&key) =>
+            {
+                KafkaError::ClientConfig(result, description, key, "[redacted]".to_owned())
+            }
+            other => other,
+        })
+    }
+}
+
 impl From<tokio::task::JoinError> for QueueError {
     fn from(error: tokio::task::JoinError) -> Self {
         QueueError::Join(error.to_string())
@@ -88,4 +105,31 @@ pub fn is_transient(error: &KafkaError) -> bool {
                 | RDKafkaErrorCode::Resolve
         )
     )
+}
+
+#[cfg(test)]
+mod redaction_tests {
+    use rdkafka::types::RDKafkaConfRes;
+
+    use super::*;
+
+    #[test]
+    fn a_refused_secret_property_is_not_quoted() {
+        let refused = |key: &str, value: &str| {
+            QueueError::client(KafkaError::ClientConfig(
+                RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+                "Invalid value".to_owned(),
+                key.to_owned(),
+                value.to_owned(),
+            ))
+            .to_string()
+        };
+        let text = refused("sasl.password", "hunter2");
+        assert!(
+            !text.contains("hunter2") && text.contains("[redacted]"),
+            "{text}"
+        );
+        let text = refused("linger.ms", "soon");
+        assert!(text.contains("soon"), "{text}");
+    }
 }

@@ -163,13 +163,13 @@ impl TransactionalProducer {
         let statistics = ProducerStatistics::default();
         let producer: FutureProducer<ProducerStatistics> = config
             .create_with_context(statistics.clone())
-            .map_err(QueueError::Client)?;
+            .map_err(QueueError::client)?;
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let producer = tokio::task::spawn_blocking(move || {
             producer
                 .init_transactions(timeout)
                 .map(|()| producer)
-                .map_err(QueueError::Client)
+                .map_err(QueueError::client)
         })
         .await??;
         tracing::debug!(transactional_id, "transactional producer ready");

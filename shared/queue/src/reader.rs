@@ -83,7 +83,7 @@ impl PartitionReader {
         let create = |isolation_level: &str| -> Result<BaseConsumer<QuietAboutTheEnd>, QueueError> {
             reader_config(settings, group_id, isolation_level, options.small_fetches)?
                 .create_with_context(QuietAboutTheEnd)
-                .map_err(QueueError::Client)
+                .map_err(QueueError::client)
         };
         Ok(PartitionReader {
             committed: create("read_committed")?,

@@ -11,6 +11,7 @@ pub mod reports;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
 use axum::routing::{MethodRouter, get, post, put};
+use quire_config::Scope;
 use quire_messages::{ReportId, StreamName};
 
 use crate::admission::Admission;
@@ -21,8 +22,9 @@ use crate::{metrics, openapi};
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// `Authorization: Bearer` when `api.auth_tokens` is not empty.
-    Token,
+    /// `Authorization: Bearer` with a token of this scope on the route's
+    /// stream, when `api.tokens` is not empty.
+    Token(Scope),
     /// Always open (health, metrics, the API's description).
     Open,
 }
@@ -44,49 +46,49 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "POST",
         path: "/v1/streams/{stream}/records",
-        access: Access::Token,
+        access: Access::Token(Scope::Write),
         admission: Some(Admission::IdempotentPublish),
         handler: || post(records::post_records),
     },
     Route {
         method: "POST",
         path: "/v1/streams/{stream}/reports",
-        access: Access::Token,
+        access: Access::Token(Scope::Write),
         admission: Some(Admission::IdempotentPublish),
         handler: || post(reports::post_cut),
     },
     Route {
         method: "GET",
         path: "/v1/streams/{stream}/reports",
-        access: Access::Token,
+        access: Access::Token(Scope::Read),
         admission: None,
         handler: || get(reports::list_reports),
     },
     Route {
         method: "PUT",
         path: "/v1/streams/{stream}/definition",
-        access: Access::Token,
+        access: Access::Token(Scope::Write),
         admission: Some(Admission::Publish),
         handler: || put(definitions::put_definition),
     },
     Route {
         method: "GET",
         path: "/v1/streams/{stream}/definition",
-        access: Access::Token,
+        access: Access::Token(Scope::Read),
         admission: None,
         handler: || get(definitions::get_definition),
     },
     Route {
         method: "GET",
         path: "/v1/reports/{id}",
-        access: Access::Token,
+        access: Access::Token(Scope::Read),
         admission: None,
         handler: || get(reports::get_report),
     },
     Route {
         method: "GET",
         path: "/v1/reports/{id}/content",
-        access: Access::Token,
+        access: Access::Token(Scope::Read),
         admission: None,
         handler: || get(reports::get_report_content),
     },
