@@ -8,9 +8,12 @@
 //!   `Retry-After`; nothing waits in a queue.
 //! - **Idempotency-Key** ([`crate::idempotency`]): a replay is answered from
 //!   the store (even while Kafka is away); a key in use for another body is
-//!   422, one whose first request is still running is 409 with
-//!   `Retry-After`. A keyed request runs to its end in a task of its own,
-//!   so a client that goes away cannot leave a published array unremembered.
+//!   422, one whose first request is still running, or whose commit's
+//!   outcome is being settled, is 409 with `Retry-After`. A keyed request
+//!   runs to its end in a task of its own, so a client that goes away cannot
+//!   leave a published array unremembered; an answer that carries
+//!   [`idempotency::Unsettled`] keeps its key until a background task has
+//!   read the outcome from the log.
 //! - **The Kafka gate** ([`crate::kafka_health`]): while Kafka does not
 //!   answer, a request that would publish is answered 503 with
 //!   `Retry-After` at once.
@@ -132,13 +135,44 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
     // that gets published is always remembered under its key.
     let handled = tokio::spawn(async move {
         let response = next.run(request).await;
-        let response = remember(claim, response).await;
         drop(reservation);
-        response
+        match response
+            .extensions()
+            .get::<idempotency::Unsettled>()
+            .cloned()
+        {
+            Some(unsettled) => {
+                // The key stays (409 to retries) until the log tells.
+                claim.settling();
+                tokio::spawn(settle_in_background(claim, unsettled));
+                response
+            }
+            None => remember(claim, response).await,
+        }
     });
     handled
         .await
         .map_err(|error| ApiError::Internal(format!("the {method} request's task failed: {error}")))
+}
+
+/// Pause between two attempts to settle an unknown outcome, at first and
+/// at most (Kafka may be away for a while).
+const SETTLE_PAUSE: (Duration, Duration) = (Duration::from_millis(500), Duration::from_secs(30));
+
+/// Reads the log until the outcome is known, then remembers the answer the
+/// request would have had (committed), or forgets the key (aborted:
+/// nothing was published, a retry may publish).
+async fn settle_in_background(claim: idempotency::Claim, unsettled: idempotency::Unsettled) {
+    let mut pause = SETTLE_PAUSE.0;
+    loop {
+        if let Some(answer) = (unsettled.settle)().await {
+            tracing::info!(status = %answer.status(), "an unknown commit outcome was settled; its Idempotency-Key now answers it");
+            remember(claim, answer).await;
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(SETTLE_PAUSE.1);
+    }
 }
 
 /// Stores a definite answer under the claim (and gives it back unchanged);
@@ -363,5 +397,81 @@ mod tests {
         let (status, _, _) = post_body(&router, None, "[{}]").await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(gate.in_flight_bytes.held(), 0);
+    }
+
+    /// A route whose publish has an unknown outcome; `verdict` says what
+    /// the log tells: 0 nothing yet, 1 committed, 2 aborted.
+    fn unsettled(verdict: Arc<AtomicUsize>, calls: Arc<AtomicUsize>) -> Router {
+        let gate = gated(1000).1;
+        Router::new()
+            .route(
+                "/records",
+                post(move || {
+                    let (verdict, calls) = (Arc::clone(&verdict), Arc::clone(&calls));
+                    async move {
+                        calls.fetch_add(1, Ordering::SeqCst);
+                        let mut response =
+                            (StatusCode::INTERNAL_SERVER_ERROR, "unknown").into_response();
+                        let settle =
+                            move || -> futures::future::BoxFuture<'static, Option<Response>> {
+                                let verdict = verdict.load(Ordering::SeqCst);
+                                Box::pin(async move {
+                                    match verdict {
+                                        0 => None,
+                                        1 => Some((StatusCode::OK, "committed").into_response()),
+                                        _ => Some(
+                                            (StatusCode::SERVICE_UNAVAILABLE, "aborted")
+                                                .into_response(),
+                                        ),
+                                    }
+                                })
+                            };
+                        response.extensions_mut().insert(idempotency::Unsettled {
+                            settle: Arc::new(settle),
+                        });
+                        response
+                    }
+                }),
+            )
+            .route_layer(axum::middleware::from_fn_with_state(gate, admit_publish))
+    }
+
+    /// An unknown outcome keeps its key: a retry is 409 (never a second
+    /// publish) until the log tells; then committed is replayed, and
+    /// aborted lets a retry publish.
+    #[tokio::test]
+    async fn an_unknown_outcome_keeps_its_key_until_the_log_tells() {
+        for (verdict_now, then_replayed) in [(1, true), (2, false)] {
+            let verdict = Arc::new(AtomicUsize::new(0));
+            let calls = Arc::new(AtomicUsize::new(0));
+            let router = unsettled(Arc::clone(&verdict), Arc::clone(&calls));
+            let (status, _, body) = post_body(&router, Some("k"), "[{}]").await;
+            assert_eq!(
+                (status, body.as_str()),
+                (StatusCode::INTERNAL_SERVER_ERROR, "unknown")
+            );
+            // Past the first look at the log, which could not tell.
+            tokio::time::sleep(SETTLE_PAUSE.0 + Duration::from_millis(100)).await;
+            let (status, headers, _) = post_body(&router, Some("k"), "[{}]").await;
+            assert_eq!(status, StatusCode::CONFLICT, "a retry while settling");
+            assert!(headers.contains_key(header::RETRY_AFTER));
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "published again while unknown"
+            );
+            verdict.store(verdict_now, Ordering::SeqCst);
+            // The next look (after a doubled pause) tells.
+            tokio::time::sleep(SETTLE_PAUSE.0 * 3).await;
+            let (status, headers, body) = post_body(&router, Some("k"), "[{}]").await;
+            if then_replayed {
+                assert_eq!((status, body.as_str()), (StatusCode::OK, "committed"));
+                assert_eq!(headers.get(idempotency::REPLAYED_HEADER).unwrap(), "true");
+                assert_eq!(calls.load(Ordering::SeqCst), 1);
+            } else {
+                // Aborted: nothing was published, so the retry ran.
+                assert_eq!(calls.load(Ordering::SeqCst), 2);
+            }
+        }
     }
 }

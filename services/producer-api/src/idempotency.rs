@@ -3,22 +3,44 @@
 //! publishes nothing again.
 //!
 //! A key is scoped by the bearer token that sent it (when authentication is
-//! on) and by the request's method and path (route and stream). Its request
-//! is fingerprinted (SHA-256 of method, path and body). The store is in
-//! memory, in this process: a key survives neither a restart nor a request
-//! that lands on another replica. It holds at most `api.idempotency_max_keys`
-//! keys and `api.idempotency_max_bytes` bytes of answers, each for
-//! `api.idempotency_ttl_ms`; the oldest keys are forgotten first.
+//! on) and by the request's method and percent-decoded path (route and
+//! stream). Its request is fingerprinted (SHA-256 of method, path and
+//! body). Only answers that published (2xx) are remembered: an error
+//! published nothing, so a retry is answered afresh.
+//!
+//! A key whose request is still running, or whose commit's outcome Kafka
+//! did not confirm (settled in the background from the log, see
+//! [`Unsettled`]), is never forgotten: a retry meanwhile gets 409, never a
+//! second publish. Answered keys are forgotten after
+//! `api.idempotency_ttl_ms`, or, past `api.idempotency_max_keys` keys or
+//! `api.idempotency_max_bytes` bytes, oldest first from the principal that
+//! holds the most, so one client's flood pushes out its own keys, not
+//! another's.
+//!
+//! The store is in memory, in this process: a key survives neither a
+//! restart nor a request that lands on another replica.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 
 use crate::errors::ApiError;
+
+/// Attached (as a response extension) to an answer whose commit outcome
+/// is unknown: how to learn it. `settle` reads the log; it gives the
+/// answer the request would have had once the outcome is known (the
+/// success answer if committed, an error if aborted), `None` while it
+/// cannot tell yet.
+#[derive(Clone)]
+pub struct Unsettled {
+    pub settle: Arc<dyn Fn() -> BoxFuture<'static, Option<Response>> + Send + Sync>,
+}
 
 /// The request header.
 pub const HEADER: &str = "idempotency-key";
@@ -100,19 +122,11 @@ impl StoredResponse {
     }
 }
 
-/// Whether an answer is definite and so remembered: 2xx, and the 4xx that
-/// judge the request itself (not 401, 408, 409, 429, which a retry may change).
+/// Whether an answer is remembered: only those that published (2xx). An
+/// error published nothing, so answering a retry afresh is exact, and a
+/// flood of cheap error answers fills nothing.
 pub fn is_definite(status: StatusCode) -> bool {
     status.is_success()
-        || (status.is_client_error()
-            && !matches!(
-                status,
-                StatusCode::UNAUTHORIZED
-                    | StatusCode::FORBIDDEN
-                    | StatusCode::REQUEST_TIMEOUT
-                    | StatusCode::CONFLICT
-                    | StatusCode::TOO_MANY_REQUESTS
-            ))
 }
 
 /// Bounds of the store.
@@ -132,13 +146,17 @@ pub enum Begin {
     Replay(Arc<StoredResponse>),
     /// The key was used for another request.
     Mismatch,
-    /// The first request with this key is still being handled.
+    /// The first request with this key is still being handled, or its
+    /// commit's outcome is being settled from the log.
     InProgress,
 }
 
 #[derive(Debug)]
 enum State {
     InProgress,
+    /// Published with a commit whose outcome Kafka did not confirm; a task
+    /// reads the log until it knows.
+    Settling,
     Done(Arc<StoredResponse>),
 }
 
@@ -150,15 +168,97 @@ struct Entry {
     bytes: usize,
 }
 
+impl Entry {
+    /// Keys whose request may still publish are never forgotten.
+    fn pinned(&self) -> bool {
+        !matches!(self.state, State::Done(_))
+    }
+}
+
+/// One principal's keys, in the order they were first seen, with their
+/// generation (an entry removed and created again has a new one; stale
+/// items are skipped).
+#[derive(Debug, Default)]
+struct PrincipalKeys {
+    order: VecDeque<(ScopedKey, u64, Instant)>,
+    keys: usize,
+    bytes: usize,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     entries: HashMap<ScopedKey, Entry>,
-    /// Keys in the order they were first seen, with their generation (an
-    /// entry removed and created again has a new one; stale items are
-    /// skipped).
-    order: VecDeque<(ScopedKey, u64, Instant)>,
+    principals: HashMap<Digest32, PrincipalKeys>,
     bytes: usize,
     next_generation: u64,
+}
+
+/// What the store must let go of.
+#[derive(Debug, Clone, Copy)]
+enum Pressure {
+    Expired(Instant),
+    Keys,
+    Bytes,
+}
+
+impl Inner {
+    fn remove(&mut self, key: &ScopedKey) {
+        if let Some(entry) = self.entries.remove(key) {
+            self.bytes -= entry.bytes;
+            if let Some(keys) = self.principals.get_mut(&key.principal) {
+                keys.keys -= 1;
+                keys.bytes -= entry.bytes;
+            }
+        }
+    }
+
+    fn add_bytes(&mut self, principal: &Digest32, bytes: usize) {
+        self.bytes += bytes;
+        if let Some(keys) = self.principals.get_mut(principal) {
+            keys.bytes += bytes;
+        }
+    }
+
+    /// Forgets `principal`'s oldest answered key (expired ones only, for
+    /// `Expired`); keys in progress or settling stay, in their place.
+    /// Whether one was forgotten.
+    fn forget_oldest(&mut self, principal: &Digest32, pressure: Pressure, ttl: Duration) -> bool {
+        let Some(keys) = self.principals.get_mut(principal) else {
+            return false;
+        };
+        let mut kept = Vec::new();
+        let mut forgotten = None;
+        while let Some((key, generation, created)) = keys.order.pop_front() {
+            let Some(entry) = self.entries.get(&key) else {
+                continue; // removed since: a stale item
+            };
+            if entry.generation != generation {
+                continue;
+            }
+            if let Pressure::Expired(now) = pressure
+                && now.duration_since(created) < ttl
+            {
+                kept.push((key, generation, created));
+                break;
+            }
+            if entry.pinned() {
+                kept.push((key, generation, created));
+                continue;
+            }
+            forgotten = Some(key);
+            break;
+        }
+        for item in kept.into_iter().rev() {
+            keys.order.push_front(item);
+        }
+        match forgotten {
+            Some(key) => {
+                self.remove(&key);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 /// The in-memory key store.
@@ -190,15 +290,17 @@ impl IdempotencyStore {
                 return Begin::Mismatch;
             }
             return match &entry.state {
-                State::InProgress => Begin::InProgress,
+                State::InProgress | State::Settling => Begin::InProgress,
                 State::Done(response) => Begin::Replay(Arc::clone(response)),
             };
         }
         let generation = inner.next_generation;
         inner.next_generation += 1;
         let bytes = key.size();
-        inner.bytes += bytes;
-        inner.order.push_back((key.clone(), generation, now));
+        let keys = inner.principals.entry(key.principal).or_default();
+        keys.order.push_back((key.clone(), generation, now));
+        keys.keys += 1;
+        inner.add_bytes(&key.principal, bytes);
         inner.entries.insert(
             key.clone(),
             Entry {
@@ -217,7 +319,7 @@ impl IdempotencyStore {
         })
     }
 
-    /// Keys remembered (answered or in progress).
+    /// Keys remembered (answered, in progress or settling).
     pub fn len(&self) -> usize {
         self.lock().entries.len()
     }
@@ -226,34 +328,61 @@ impl IdempotencyStore {
         self.len() == 0
     }
 
+    /// Expired keys go; then, past a bound, the oldest answered keys of
+    /// whoever holds the most, so one client's flood of keys pushes out
+    /// its own, not another's. A key in progress or settling never goes.
     fn evict(&self, inner: &mut Inner, now: Instant) {
-        while let Some((_, _, created)) = inner.order.front() {
-            let expired = now.duration_since(*created) >= self.limits.ttl;
-            let over =
-                inner.entries.len() > self.limits.max_keys || inner.bytes > self.limits.max_bytes;
-            if !expired && !over {
-                break;
-            }
-            let Some((key, generation, _)) = inner.order.pop_front() else {
-                break;
-            };
-            if inner
-                .entries
-                .get(&key)
-                .is_some_and(|entry| entry.generation == generation)
-                && let Some(entry) = inner.entries.remove(&key)
-            {
-                inner.bytes -= entry.bytes;
+        let ttl = self.limits.ttl;
+        let principals: Vec<Digest32> = inner.principals.keys().copied().collect();
+        for principal in &principals {
+            while inner.forget_oldest(principal, Pressure::Expired(now), ttl) {}
+        }
+        for pressure in [Pressure::Keys, Pressure::Bytes] {
+            loop {
+                let over = match pressure {
+                    Pressure::Bytes => inner.bytes > self.limits.max_bytes,
+                    _ => inner.entries.len() > self.limits.max_keys,
+                };
+                if !over {
+                    break;
+                }
+                // The largest holder first; if all of its keys are pinned,
+                // the next, and so on.
+                let mut candidates: Vec<(usize, Digest32)> = inner
+                    .principals
+                    .iter()
+                    .map(|(principal, keys)| {
+                        let size = match pressure {
+                            Pressure::Bytes => keys.bytes,
+                            _ => keys.keys,
+                        };
+                        (size, *principal)
+                    })
+                    .collect();
+                candidates.sort_unstable_by(|a, b| b.cmp(a));
+                let forgot = candidates
+                    .iter()
+                    .any(|(_, principal)| inner.forget_oldest(principal, pressure, ttl));
+                if !forgot {
+                    break; // only pinned keys are left
+                }
             }
         }
-        // Abandoned keys leave stale items behind; keep the line bounded.
-        if inner.order.len() > 2 * inner.entries.len() + 1024 {
-            let Inner { entries, order, .. } = inner;
-            order.retain(|(key, generation, _)| {
-                entries
-                    .get(key)
-                    .is_some_and(|entry| entry.generation == *generation)
-            });
+        // Principals with nothing left, and stale items, do not pile up.
+        inner.principals.retain(|_, keys| keys.keys > 0);
+        let Inner {
+            entries,
+            principals,
+            ..
+        } = inner;
+        for keys in principals.values_mut() {
+            if keys.order.len() > 2 * keys.keys + 1024 {
+                keys.order.retain(|(key, generation, _)| {
+                    entries
+                        .get(key)
+                        .is_some_and(|entry| entry.generation == *generation)
+                });
+            }
         }
     }
 
@@ -268,8 +397,17 @@ impl IdempotencyStore {
         }
         entry.state = State::Done(Arc::new(response));
         entry.bytes += added;
-        inner.bytes += added;
+        inner.add_bytes(&key.principal, added);
         self.evict(&mut inner, Instant::now());
+    }
+
+    fn mark_settling(&self, key: &ScopedKey, generation: u64) {
+        let mut inner = self.lock();
+        if let Some(entry) = inner.entries.get_mut(key)
+            && entry.generation == generation
+        {
+            entry.state = State::Settling;
+        }
     }
 
     fn abandon(&self, key: &ScopedKey, generation: u64) {
@@ -278,9 +416,8 @@ impl IdempotencyStore {
             .entries
             .get(key)
             .is_some_and(|entry| entry.generation == generation)
-            && let Some(entry) = inner.entries.remove(key)
         {
-            inner.bytes -= entry.bytes;
+            inner.remove(key);
         }
     }
 }
@@ -299,6 +436,15 @@ impl Claim {
     pub fn complete(mut self, response: StoredResponse) {
         if let Some(key) = self.key.take() {
             self.store.complete(&key, self.generation, response);
+        }
+    }
+
+    /// The request's commit has an unknown outcome: the key stays, and
+    /// retries get 409, until the claim is completed (committed) or dropped
+    /// (aborted: nothing was published).
+    pub fn settling(&self) {
+        if let Some(key) = &self.key {
+            self.store.mark_settling(key, self.generation);
         }
     }
 }
@@ -440,18 +586,106 @@ mod tests {
     }
 
     #[test]
-    fn only_definite_answers_are_remembered() {
-        for status in [200, 202, 400, 413, 415, 422] {
+    fn only_answers_that_published_are_remembered() {
+        for status in [200, 202] {
             assert!(
                 is_definite(StatusCode::from_u16(status).unwrap()),
                 "{status}"
             );
         }
-        for status in [401, 409, 429, 500, 503] {
+        for status in [400, 401, 403, 409, 413, 422, 429, 500, 503] {
             assert!(
                 !is_definite(StatusCode::from_u16(status).unwrap()),
                 "{status}"
             );
         }
+    }
+
+    fn principal_key(principal: u8, name: &str) -> ScopedKey {
+        ScopedKey {
+            principal: [principal; 32],
+            ..key(name)
+        }
+    }
+
+    #[test]
+    fn keys_in_progress_or_settling_are_never_forgotten() {
+        let store = store(2, 1 << 20, Duration::ZERO);
+        let Begin::Proceed(running) = store.begin(key("running"), [1; 32]) else {
+            panic!("new key")
+        };
+        let Begin::Proceed(settling) = store.begin(key("settling"), [1; 32]) else {
+            panic!("new key")
+        };
+        settling.settling();
+        // Past the key bound and the TTL (zero), with answered keys coming in.
+        for name in ["a", "b", "c"] {
+            let Begin::Proceed(claim) = store.begin(key(name), [1; 32]) else {
+                panic!("new key {name}")
+            };
+            claim.complete(answer("x"));
+        }
+        assert!(matches!(
+            store.begin(key("running"), [1; 32]),
+            Begin::InProgress
+        ));
+        assert!(matches!(
+            store.begin(key("settling"), [1; 32]),
+            Begin::InProgress
+        ));
+        // Settled as committed: answered from now on.
+        settling.complete(answer("committed"));
+        drop(running);
+        let store = self::store(2, 1 << 20, Duration::from_secs(60));
+        let Begin::Proceed(settling) = store.begin(key("s"), [1; 32]) else {
+            panic!("new key")
+        };
+        settling.settling();
+        assert!(matches!(store.begin(key("s"), [1; 32]), Begin::InProgress));
+        settling.complete(answer("committed"));
+        let Begin::Replay(replayed) = store.begin(key("s"), [1; 32]) else {
+            panic!("settled key")
+        };
+        assert_eq!(replayed.body, "committed");
+    }
+
+    #[test]
+    fn one_principals_flood_pushes_out_its_own_keys_not_anothers() {
+        let store = store(100, 1 << 20, Duration::from_secs(60));
+        for index in 0..10 {
+            let Begin::Proceed(claim) =
+                store.begin(principal_key(1, &format!("quiet-{index}")), [1; 32])
+            else {
+                panic!("new key")
+            };
+            claim.complete(answer("mine"));
+        }
+        for index in 0..1_000 {
+            let Begin::Proceed(claim) =
+                store.begin(principal_key(2, &format!("flood-{index}")), [1; 32])
+            else {
+                panic!("new key")
+            };
+            claim.complete(answer("flood"));
+        }
+        assert_eq!(store.len(), 100);
+        for index in 0..10 {
+            assert!(
+                matches!(
+                    store.begin(principal_key(1, &format!("quiet-{index}")), [1; 32]),
+                    Begin::Replay(_)
+                ),
+                "the quiet principal lost key {index}"
+            );
+        }
+        // The flood kept its newest keys.
+        assert!(matches!(
+            store.begin(principal_key(2, "flood-999"), [1; 32]),
+            Begin::Replay(_)
+        ));
+        assert!(matches!(
+            store.begin(principal_key(2, "flood-0"), [1; 32]),
+            Begin::Proceed(_)
+        ));
     }
 }

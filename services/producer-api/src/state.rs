@@ -5,10 +5,13 @@ use std::sync::Arc;
 use quire_queue::{MessageId, OutMessage, QueueError};
 
 use axum::extract::FromRef;
+use axum::response::{IntoResponse, Response};
+use futures::future::BoxFuture;
 
 use crate::admission::Gate;
 use crate::body::InFlightBytes;
-use crate::idempotency::IdempotencyStore;
+use crate::errors::ApiError;
+use crate::idempotency::{IdempotencyStore, Unsettled};
 use crate::kafka_health::KafkaHealth;
 use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
@@ -44,6 +47,59 @@ impl Services {
     /// outcome from the log (see [`Publisher::publish_settled`]).
     pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
         self.publisher.publish_settled(&self.log, messages).await
+    }
+
+    /// [`publish`](Self::publish), answered by `answer` from the ids. An
+    /// outcome still unknown is answered 500 `publish_outcome_unknown`,
+    /// with an [`Unsettled`] extension that keeps reading the log for it,
+    /// so an `Idempotency-Key` retry is answered from the outcome instead
+    /// of publishing again.
+    pub async fn publish_answered(
+        &self,
+        messages: Vec<OutMessage>,
+        answer: impl Fn(Vec<MessageId>) -> Response + Send + Sync + 'static,
+    ) -> Response {
+        let key = messages.first().and_then(|message| message.key.clone());
+        let (source, ids) = match self.publish(messages).await {
+            Ok(ids) => return answer(ids),
+            Err(QueueError::CommitOutcomeUnknown { source, ids }) => (source, ids),
+            Err(error) => return ApiError::Publish(error).into_response(),
+        };
+        let mut response = ApiError::Publish(QueueError::CommitOutcomeUnknown {
+            source: source.clone(),
+            ids: ids.clone(),
+        })
+        .into_response();
+        let (Some(key), Some(&first)) = (key, ids.first()) else {
+            return response; // no delivery report: nothing to read
+        };
+        let log = Arc::clone(&self.log);
+        let answer = Arc::new(answer);
+        let settle = move || -> BoxFuture<'static, Option<Response>> {
+            let (log, key, ids, answer, source) = (
+                Arc::clone(&log),
+                key.clone(),
+                ids.clone(),
+                Arc::clone(&answer),
+                source.clone(),
+            );
+            Box::pin(async move {
+                match log.settle(&key, first).await {
+                    Ok(true) => Some(answer(ids)),
+                    Ok(false) => Some(
+                        ApiError::Publish(QueueError::TransactionAborted(source)).into_response(),
+                    ),
+                    Err(error) => {
+                        tracing::debug!(error = %error, "the commit outcome cannot be read yet");
+                        None
+                    }
+                }
+            })
+        };
+        response.extensions_mut().insert(Unsettled {
+            settle: Arc::new(settle),
+        });
+        response
     }
 }
 

@@ -6,6 +6,7 @@ use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
 use quire_queue::{MessageId, OutMessage};
 use serde::{Serialize, Serializer};
 
@@ -40,7 +41,7 @@ pub async fn post_records(
     StreamPath(stream): StreamPath,
     headers: HeaderMap,
     body: Body,
-) -> Result<Json<RecordsAccepted>, ApiError> {
+) -> Result<Response, ApiError> {
     let format = BodyFormat::from_headers(&headers)?;
     let body = read_body(body, &headers, state.limits.max_body_bytes).await?;
     let records = parse_records(&body, format, &state.limits)?;
@@ -48,7 +49,8 @@ pub async fn post_records(
         return Ok(Json(RecordsAccepted {
             count: 0,
             ids: Vec::new(),
-        }));
+        })
+        .into_response());
     }
     let messages: Vec<OutMessage> = records
         .iter()
@@ -56,18 +58,25 @@ pub async fn post_records(
         .collect();
     let count = messages.len();
     let enqueued_at = Instant::now();
-    let ids = state.publish(messages).await?;
-    state.metrics.array_accepted(count, enqueued_at.elapsed());
-    if ids.len() != count {
-        return Err(ApiError::Internal(format!(
-            "kafka returned {} ids for {count} records",
-            ids.len()
-        )));
+    let answer = move |ids: Vec<MessageId>| {
+        if ids.len() != count {
+            return ApiError::Internal(format!(
+                "kafka returned {} ids for {count} records",
+                ids.len()
+            ))
+            .into_response();
+        }
+        Json(RecordsAccepted {
+            count,
+            ids: ids.into_iter().map(DisplayedId).collect(),
+        })
+        .into_response()
+    };
+    let response = state.publish_answered(messages, answer).await;
+    if response.status().is_success() {
+        state.metrics.array_accepted(count, enqueued_at.elapsed());
     }
-    Ok(Json(RecordsAccepted {
-        count,
-        ids: ids.into_iter().map(DisplayedId).collect(),
-    }))
+    Ok(response)
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{StreamExt, TryStreamExt};
 use quire_messages::{CutMarker, Manifest, MessageKind, ReportId, StreamName};
+use quire_queue::MessageId;
 use serde::{Deserialize, Serialize};
 
 use crate::errors::ApiError;
@@ -84,13 +85,24 @@ pub async fn post_cut(
         &stream,
         quire_messages::encode(&CutMarker::explicit()),
     );
-    let ids = state.publish(vec![marker]).await?;
+    let response = state
+        .publish_answered(vec![marker], move |ids| {
+            cut_answer(&stream, &ids).unwrap_or_else(IntoResponse::into_response)
+        })
+        .await;
+    if response.status().is_success() {
+        state.metrics.cut_published();
+    }
+    Ok(response)
+}
+
+/// 202 with the report's id (the cut marker's place in the log).
+fn cut_answer(stream: &StreamName, ids: &[MessageId]) -> Result<Response, ApiError> {
     let landed = ids
         .first()
         .ok_or_else(|| ApiError::Internal("kafka returned no id for the cut marker".into()))?;
-    state.metrics.cut_published();
     let id = ReportId {
-        stream,
+        stream: stream.clone(),
         partition: landed.partition,
         offset: landed.offset,
     };
