@@ -682,3 +682,97 @@ async fn a_new_group_starts_at_the_beginning_and_a_deleted_committed_offset_is_a
     let arrays = read_until(&fresh, 50).await;
     assert_eq!(arrays[0].messages[0].offset, 50);
 }
+
+/// Followers, made from where their array landed, are written in its
+/// transaction: with group commit, each array's followers name its own
+/// offsets, and all are visible exactly when the arrays are; a follower
+/// that cannot be written aborts the whole transaction (what the API's
+/// stored answers to `Idempotency-Key`s will rest on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_name_where_their_array_landed_and_share_its_transaction() {
+    let records = TestTopic::create("followers-records", 3).await;
+    let answers = TestTopic::create("followers-answers", 1).await;
+    let enqueuer = ArrayEnqueuer::start(producer().await, GroupCommitLimits::default());
+    let follower = |answers: String, tag: String, size: usize| -> quire_queue::Followers {
+        Box::new(move |ids: &[MessageId]| {
+            let named: Vec<String> = ids.iter().map(ToString::to_string).collect();
+            vec![OutMessage::new(
+                answers,
+                Some(tag.into_bytes()),
+                vec![b'n'; size]
+                    .into_iter()
+                    .chain(named.join(",").into_bytes())
+                    .collect(),
+            )]
+        })
+    };
+    // A large array first, so the next ones queue up and share transactions.
+    let busy = enqueuer.enqueue_array(messages(&records.name, 20_000, "-busy"));
+    let tagged = (0..6).map(|index| {
+        let tag = format!("-array{index}");
+        let array = messages(&records.name, 50, &tag);
+        let followers = follower(answers.name.clone(), tag.clone(), 0);
+        let enqueuer = enqueuer.clone();
+        async move {
+            (
+                tag,
+                enqueuer.enqueue_array_then(array, Some(followers)).await,
+            )
+        }
+    });
+    let (busy, tagged) = tokio::join!(busy, futures::future::join_all(tagged));
+    busy.expect("the busy array commits");
+    let stored: BTreeMap<String, String> = read_all(&kafka_settings(), &answers.name, 1, true)
+        .into_iter()
+        .map(|answer| {
+            (
+                String::from_utf8(answer.key.unwrap()).unwrap(),
+                String::from_utf8(answer.payload).unwrap(),
+            )
+        })
+        .collect();
+    let seen = read_all(&kafka_settings(), &records.name, 3, true);
+    let at: BTreeMap<(i32, i64), &[u8]> = seen
+        .iter()
+        .map(|message| {
+            (
+                (message.partition, message.offset),
+                message.payload.as_slice(),
+            )
+        })
+        .collect();
+    for (tag, outcome) in &tagged {
+        let ids = outcome.as_ref().expect("a tagged array commits");
+        let named: Vec<String> = ids.iter().map(ToString::to_string).collect();
+        assert_eq!(stored.get(tag), Some(&named.join(",")), "{tag}'s follower");
+        for id in ids {
+            let payload = at
+                .get(&(id.partition, id.offset))
+                .expect("the id is committed");
+            assert!(payload.ends_with(tag.as_bytes()), "{id} is not {tag}'s");
+        }
+    }
+    assert_eq!(stored.len(), 6);
+
+    // A follower librdkafka refuses (too large) aborts its array too.
+    let array = messages(&records.name, 10, "-refused");
+    let error = enqueuer
+        .enqueue_array_then(
+            array,
+            Some(follower(answers.name.clone(), "refused".into(), 2_000_000)),
+        )
+        .await
+        .expect_err("a follower that cannot be written fails the array");
+    assert!(
+        matches!(error, QueueError::TransactionAborted(_)),
+        "{error}"
+    );
+    let seen = read_all(&kafka_settings(), &records.name, 3, true);
+    assert!(
+        !seen
+            .iter()
+            .any(|message| message.payload.ends_with(b"-refused"))
+    );
+    let stored = read_all(&kafka_settings(), &answers.name, 1, true);
+    assert_eq!(stored.len(), 6, "the refused follower is not visible");
+}

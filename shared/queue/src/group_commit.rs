@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::producer::Followers;
 use crate::{MessageId, OutMessage, QueueError, TransactionalProducer};
 
 /// Bounds on one group-commit transaction and on the waiting line.
@@ -54,6 +55,7 @@ pub type TransactionObserver = Arc<dyn Fn(&TransactionReport) + Send + Sync>;
 
 struct Request {
     messages: Vec<OutMessage>,
+    followers: Option<Followers>,
     reply: oneshot::Sender<Result<Vec<MessageId>, QueueError>>,
 }
 
@@ -88,9 +90,24 @@ impl ArrayEnqueuer {
         &self,
         messages: Vec<OutMessage>,
     ) -> Result<Vec<MessageId>, QueueError> {
+        self.enqueue_array_then(messages, None).await
+    }
+
+    /// [`enqueue_array`](Self::enqueue_array) with `followers`, made from
+    /// this array's ids and written in the same transaction (see
+    /// [`TransactionalProducer::transact_then`]).
+    pub async fn enqueue_array_then(
+        &self,
+        messages: Vec<OutMessage>,
+        followers: Option<Followers>,
+    ) -> Result<Vec<MessageId>, QueueError> {
         let (reply, answer) = oneshot::channel();
         self.requests
-            .send(Request { messages, reply })
+            .send(Request {
+                messages,
+                followers,
+                reply,
+            })
             .await
             .map_err(|_| QueueError::EnqueuerStopped)?;
         answer.await.map_err(|_| QueueError::EnqueuerStopped)?
@@ -116,13 +133,31 @@ async fn run_group_commit(
         let sizes: Vec<usize> = group.iter().map(|request| request.messages.len()).collect();
         let mut replies = Vec::with_capacity(group.len());
         let mut all_messages = Vec::with_capacity(messages);
+        let mut followers = Vec::new();
         for request in group {
             all_messages.extend(request.messages);
             replies.push(request.reply);
+            followers.push(request.followers);
         }
+        // Each array's followers are made from its own ids.
+        let followers: Option<Followers> = followers.iter().any(Option::is_some).then(|| {
+            let sizes = sizes.clone();
+            Box::new(move |ids: &[MessageId]| {
+                let mut rest = ids;
+                let mut out = Vec::new();
+                for (size, make) in sizes.into_iter().zip(followers) {
+                    let (own, after) = rest.split_at(size.min(rest.len()));
+                    rest = after;
+                    if let Some(make) = make {
+                        out.extend(make(own));
+                    }
+                }
+                out
+            }) as Followers
+        });
         tracing::debug!(arrays = sizes.len(), messages, bytes, "group commit");
         let started = Instant::now();
-        let outcome = producer.transact(all_messages).await;
+        let outcome = producer.transact_then(all_messages, followers).await;
         if let Some(observer) = &observer {
             observer(&TransactionReport {
                 arrays: sizes.len(),

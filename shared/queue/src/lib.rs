@@ -40,7 +40,9 @@ pub use context::{PartitionProgress, RebalanceEvent};
 pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
-pub use producer::{ProducerOptions, ProducerStatistics, Release, TransactionalProducer};
+pub use producer::{
+    Followers, ProducerOptions, ProducerStatistics, Release, TransactionalProducer,
+};
 pub use reader::{PartitionReader, ReadError, ReaderOptions};
 
 /// Re-exported so callers can read librdkafka's statistics, and match the

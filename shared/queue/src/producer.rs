@@ -134,6 +134,10 @@ struct Inner {
     release_pending: AtomicBool,
 }
 
+/// Messages written in a transaction after its array's, made from where the
+/// array's messages landed (see [`TransactionalProducer::transact_then`]).
+pub type Followers = Box<dyn FnOnce(&[MessageId]) -> Vec<OutMessage> + Send>;
+
 /// Consumer offsets to commit inside a transaction, with the consumer's group
 /// metadata so the broker refuses them from a fenced or stale member.
 pub(crate) struct OffsetsInTransaction<'a> {
@@ -238,8 +242,22 @@ impl TransactionalProducer {
     /// [`QueueError::CommitOutcomeUnknown`] means the commit was asked for
     /// and may have happened: the caller must not say it failed.
     pub async fn transact(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
+        self.transact_then(messages, None).await
+    }
+
+    /// [`transact`](Self::transact), with `followers` written in the same
+    /// transaction once every message of `messages` has landed: they are
+    /// made from the ids (an answer that names where the array went), and
+    /// are visible exactly when the array is. The ids returned are those
+    /// of `messages` alone.
+    pub async fn transact_then(
+        &self,
+        messages: Vec<OutMessage>,
+        followers: Option<Followers>,
+    ) -> Result<Vec<MessageId>, QueueError> {
         let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || inner.transact_blocking(&messages, None)).await?
+        tokio::task::spawn_blocking(move || inner.transact_then_blocking(&messages, followers))
+            .await?
     }
 
     /// The blocking form, for callers already on a blocking thread.
@@ -281,7 +299,22 @@ impl Inner {
             )));
         }
         self.release_locked()?;
-        self.transact_locked(messages, offsets, self.send_timeout)
+        self.transact_locked(messages, offsets, None, self.send_timeout)
+    }
+
+    fn transact_then_blocking(
+        &self,
+        messages: &[OutMessage],
+        followers: Option<Followers>,
+    ) -> Result<Vec<MessageId>, QueueError> {
+        let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
+        if self.fatal.load(Ordering::Acquire) {
+            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fatal,
+            )));
+        }
+        self.release_locked()?;
+        self.transact_locked(messages, None, followers, self.send_timeout)
     }
 
     fn release_is_due(&self) -> bool {
@@ -311,7 +344,7 @@ impl Inner {
         self.release_pending.store(true, Ordering::Release);
         let started = Instant::now();
         self.wait_for_leaders(&release.messages, release.patience)?;
-        self.transact_locked(&release.messages, None, release.patience)?;
+        self.transact_locked(&release.messages, None, None, release.patience)?;
         self.release_pending.store(false, Ordering::Release);
         if let Some(on_release) = &release.on_release {
             on_release();
@@ -382,6 +415,7 @@ impl Inner {
         &self,
         messages: &[OutMessage],
         offsets: Option<OffsetsInTransaction<'_>>,
+        followers: Option<Followers>,
         send_timeout: Duration,
     ) -> Result<Vec<MessageId>, QueueError> {
         if let Err(error) = self.producer.begin_transaction() {
@@ -400,9 +434,7 @@ impl Inner {
                 return Err(error);
             }
         };
-        let committed = self.commit_with_retries();
-        // Every delivery report has arrived: send_all flushed before the
-        // commit was asked for.
+        // Every delivery report has arrived: send_all flushed.
         let ids: Result<Vec<MessageId>, KafkaError> = deliveries
             .into_iter()
             .map(|delivery| match futures::executor::block_on(delivery) {
@@ -414,6 +446,38 @@ impl Inner {
                 Err(_cancelled) => Err(KafkaError::Canceled),
             })
             .collect();
+        if let Some(followers) = followers {
+            // Still before the commit: a failure here aborts it all.
+            let extra = match &ids {
+                Ok(ids) => followers(ids),
+                Err(error) => {
+                    let error = QueueError::TransactionAborted(error.clone());
+                    self.abort_after(&error);
+                    return Err(error);
+                }
+            };
+            let delivered = self
+                .send_all(&extra, None, deadline)
+                .and_then(|deliveries| {
+                    for delivery in deliveries {
+                        match futures::executor::block_on(delivery) {
+                            Ok(Ok(_)) => {}
+                            Ok(Err((error, _))) => {
+                                return Err(QueueError::TransactionAborted(error));
+                            }
+                            Err(_cancelled) => {
+                                return Err(QueueError::TransactionAborted(KafkaError::Canceled));
+                            }
+                        }
+                    }
+                    Ok(())
+                });
+            if let Err(error) = delivered {
+                self.abort_after(&error);
+                return Err(error);
+            }
+        }
+        let committed = self.commit_with_retries();
         match (committed, ids) {
             (Ok(()), Ok(ids)) => Ok(ids),
             // Cannot happen after a successful commit; if it does, the
