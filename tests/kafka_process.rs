@@ -54,8 +54,9 @@ impl KafkaProcess {
     /// Formats a fresh data directory and starts the broker on free ports;
     /// returns once a metadata request succeeds.
     pub fn start_new() -> KafkaProcess {
-        let broker_port = crate::free_port();
-        let controller_port = crate::free_port();
+        let [broker_port, controller_port] = crate::free_ports(2)[..] else {
+            unreachable!("two ports asked for")
+        };
         let mut process = Self::prepare(1, broker_port, controller_port, None, 1);
         process.format_storage(&uuid_for_kafka());
         process.start();
@@ -383,8 +384,9 @@ pub struct KafkaCluster {
 impl KafkaCluster {
     /// Formats and starts `size` nodes; returns once each answers.
     pub fn start_new(size: u32) -> KafkaCluster {
-        let ports: Vec<(u16, u16)> = (0..size)
-            .map(|_| (crate::free_port(), crate::free_port()))
+        let ports: Vec<(u16, u16)> = crate::free_ports(2 * size as usize)
+            .chunks(2)
+            .map(|pair| (pair[0], pair[1]))
             .collect();
         let voters = ports
             .iter()

@@ -41,6 +41,19 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `count` distinct loopback ports nobody listens on right now: all are
+/// held until every one is chosen, so two calls of [`free_port`] cannot
+/// hand out one port twice (a broker given one port for two listeners
+/// refuses to start).
+pub fn free_ports(count: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port"))
+        .collect();
+    held.iter()
+        .map(|listener| listener.local_addr().expect("address").port())
+        .collect()
+}
+
 /// `prefix` plus a random suffix: every test gets its own topics and groups.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
