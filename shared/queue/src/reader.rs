@@ -292,6 +292,96 @@ impl PartitionReader {
         outcome
     }
 
+    /// Reads each `(partition, from)` of `topic` from offset `from` to its
+    /// last stable offset when the read starts, committed messages only,
+    /// handing each message to `each`; at most `limit` in all. Returns,
+    /// per partition, the offset the read went up to: every committed
+    /// message below it has been handed over (the next read starts there).
+    pub fn read_range(
+        &self,
+        topic: &str,
+        starts: &[(i32, i64)],
+        limit: Duration,
+        mut each: impl FnMut(InMessage),
+    ) -> Result<Vec<(i32, i64)>, ReadError> {
+        let deadline = Instant::now() + limit;
+        let mut assignment = TopicPartitionList::new();
+        let mut ends = Vec::with_capacity(starts.len());
+        for &(partition, from) in starts {
+            let (low, last_stable) = self.stable_watermarks(topic, partition, deadline)?;
+            ends.push((partition, last_stable));
+            let from = from.max(low);
+            if last_stable > from {
+                assignment
+                    .add_partition_offset(topic, partition, Offset::Offset(from))
+                    .map_err(|source| ReadError::Read {
+                        topic: topic.to_owned(),
+                        partition,
+                        source,
+                    })?;
+            }
+        }
+        let mut unread: BTreeSet<i32> = assignment
+            .elements()
+            .iter()
+            .map(|element| element.partition())
+            .collect();
+        let Some(&first) = unread.first() else {
+            return Ok(ends);
+        };
+        self.committed
+            .assign(&assignment)
+            .map_err(|source| ReadError::Read {
+                topic: topic.to_owned(),
+                partition: first,
+                source,
+            })?;
+        let shared_topic: Arc<str> = Arc::from(topic);
+        let end_of = |partition: i32| {
+            ends.iter()
+                .find(|(candidate, _)| *candidate == partition)
+                .map_or(i64::MAX, |(_, end)| *end)
+        };
+        let outcome = (|| {
+            while let Some(&waiting) = unread.first() {
+                if Instant::now() > deadline {
+                    return Err(ReadError::TimedOut {
+                        topic: topic.to_owned(),
+                        partition: waiting,
+                        offset: -1,
+                        waited: limit,
+                    });
+                }
+                match self.committed.poll(Duration::from_millis(200)) {
+                    None => {}
+                    Some(Err(KafkaError::PartitionEOF(partition))) => {
+                        unread.remove(&partition);
+                    }
+                    Some(Err(source)) if is_transient(&source) => {
+                        tracing::debug!(error = %source, "transient error event on a reader; polling on");
+                    }
+                    Some(Err(source)) => {
+                        return Err(ReadError::Read {
+                            topic: topic.to_owned(),
+                            partition: waiting,
+                            source,
+                        });
+                    }
+                    // Past the end the read started with: the next read's.
+                    Some(Ok(message)) if message.offset() >= end_of(message.partition()) => {
+                        unread.remove(&message.partition());
+                    }
+                    Some(Ok(message)) => each(owned(&shared_topic, &message)),
+                }
+            }
+            Ok(())
+        })();
+        if let Err(error) = self.committed.unassign() {
+            tracing::warn!(error = %error, "reader could not unassign");
+        }
+        outcome.map(|()| ends)
+    }
+
     /// Whether the brokers answer a metadata request for `topic` within
     /// `timeout` (a readiness probe).
     pub fn check_reachable(&self, topic: &str, timeout: Duration) -> Result<(), ReadError> {
