@@ -20,7 +20,6 @@ use crate::body::InFlightBytes;
 use crate::errors::ApiError;
 use crate::idempotency::{IdempotencyStore, StoreLimits};
 use crate::kafka_health::{self, KafkaHealth};
-use crate::key_log::KeyLog;
 use crate::log_reader::{LogError, LogReader};
 use crate::metrics::{self, Metrics};
 use crate::openapi;
@@ -62,8 +61,6 @@ pub enum StartupError {
     Topics(QueueError),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
-    #[error("cannot load the stored Idempotency-Key answers: {0}")]
-    KeyLog(String),
     #[error("cannot start the report look-up reader: {0}")]
     LogReader(LogError),
 }
@@ -110,34 +107,13 @@ impl Application {
             .map(|spec| spec.partitions)
             .expect("design_topics lists the records topic");
 
-        let key_log_partitions = specs
-            .iter()
-            .find(|spec| spec.name == settings.kafka.topics.idempotency)
-            .map(|spec| spec.partitions)
-            .expect("design_topics lists the idempotency topic");
-        let key_log = Arc::new(
-            KeyLog::new(
-                &settings.kafka,
-                key_log_partitions,
-                &format!(
-                    "{}-{}-idempotency",
-                    settings.api.transactional_id_prefix, settings.api.replica_id
-                ),
-                Duration::from_millis(settings.api.idempotency_ttl_ms),
-            )
-            .map_err(|error| StartupError::KeyLog(error.to_string()))?,
-        );
         let metrics = Arc::new(Metrics::new());
         let records_topic = RecordsTopic::new(&settings.kafka.topics.records);
         let publisher = Publisher::connect(
             &settings.kafka,
             &settings.api,
             Arc::clone(&metrics),
-            records_topic
-                .release_messages(records_partitions)
-                .into_iter()
-                .chain(key_log.release_messages())
-                .collect(),
+            records_topic.release_messages(records_partitions),
         )
         .await
         .map_err(StartupError::Producers)?;
@@ -173,23 +149,6 @@ impl Application {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
 
-        let idempotency = IdempotencyStore::new(StoreLimits {
-            max_keys: settings.api.idempotency_max_keys,
-            max_bytes: settings.api.idempotency_max_bytes,
-            ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
-        });
-        let loading = std::time::Instant::now();
-        let loaded = key_log
-            .load(&idempotency)
-            .await
-            .map_err(|error| StartupError::KeyLog(error.to_string()))?;
-        tracing::info!(
-            loaded,
-            elapsed_ms = loading.elapsed().as_millis() as u64,
-            topic = %settings.kafka.topics.idempotency,
-            "idempotency keys loaded"
-        );
-
         let services = Arc::new(Services {
             limits,
             records_topic,
@@ -200,8 +159,11 @@ impl Application {
                 settings.api.max_in_flight_bytes,
                 metrics.in_flight_bytes_gauge(),
             ),
-            idempotency,
-            key_log,
+            idempotency: IdempotencyStore::new(StoreLimits {
+                max_keys: settings.api.idempotency_max_keys,
+                max_bytes: settings.api.idempotency_max_bytes,
+                ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
+            }),
             kafka_health,
             tokens_enabled: tokens.enabled(),
             control_limits: control_limits(&settings)?,

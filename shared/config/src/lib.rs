@@ -127,7 +127,6 @@ pub struct TopicNames {
     pub report_events: String,
     pub watermarks: String,
     pub dead_letters: String,
-    pub idempotency: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

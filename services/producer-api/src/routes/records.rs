@@ -2,18 +2,16 @@
 
 use std::time::Instant;
 
-use axum::Extension;
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use quire_queue::{MessageId, OutMessage};
 use serde::{Serialize, Serializer};
 
 use crate::body::read_body;
 use crate::errors::ApiError;
-use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::routes::StreamPath;
 use crate::state::AppState;
 use crate::validation::{BodyFormat, parse_records};
@@ -41,7 +39,6 @@ impl Serialize for DisplayedId {
 pub async fn post_records(
     State(state): State<AppState>,
     StreamPath(stream): StreamPath,
-    keyed: Option<Extension<KeyedRequest>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -63,25 +60,19 @@ pub async fn post_records(
     let enqueued_at = Instant::now();
     let answer = move |ids: Vec<MessageId>| {
         if ids.len() != count {
-            return Err(ApiError::Internal(format!(
+            return ApiError::Internal(format!(
                 "kafka returned {} ids for {count} records",
                 ids.len()
-            )));
+            ))
+            .into_response();
         }
-        let body = serde_json::to_vec(&RecordsAccepted {
+        Json(RecordsAccepted {
             count,
             ids: ids.into_iter().map(DisplayedId).collect(),
         })
-        .map_err(|error| ApiError::Internal(error.to_string()))?;
-        Ok(StoredResponse {
-            status: StatusCode::OK,
-            headers: vec![("content-type", HeaderValue::from_static("application/json"))],
-            body: body.into(),
-        })
+        .into_response()
     };
-    let response = state
-        .publish_answered(messages, keyed.map(|Extension(keyed)| keyed), answer)
-        .await;
+    let response = state.publish_answered(messages, answer).await;
     if response.status().is_success() {
         state.metrics.array_accepted(count, enqueued_at.elapsed());
     }
