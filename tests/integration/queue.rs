@@ -776,3 +776,89 @@ async fn followers_name_where_their_array_landed_and_share_its_transaction() {
     let stored = read_all(&kafka_settings(), &answers.name, 1, true);
     assert_eq!(stored.len(), 6, "the refused follower is not visible");
 }
+
+/// A topic tail hands over every committed message once, covers
+/// transaction markers and aborted batches (which hand nothing over), and
+/// a transaction still open holds a catch-up back until it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tail_covers_markers_and_aborts_and_waits_for_an_open_transaction() {
+    use std::sync::{Arc, Mutex};
+
+    let topic = TestTopic::create("tail", 2).await;
+    let producer = producer().await;
+    // Before the tail starts: one committed array, one aborted.
+    let committed = messages(&topic.name, 300, "-before");
+    producer.transact(committed).await.expect("transact");
+    let mut doomed = messages(&topic.name, 50, "-doomed");
+    doomed.push(oversized(&topic.name));
+    producer.transact(doomed).await.expect_err("aborted");
+
+    let seen: Arc<Mutex<Vec<(i32, i64, Vec<u8>)>>> = Arc::default();
+    let collected = Arc::clone(&seen);
+    let settings = kafka_settings();
+    let topic_name = topic.name.clone();
+    let tail = tokio::task::spawn_blocking(move || {
+        quire_queue::TopicTail::start(&settings, &unique("tail"), &topic_name, 2, move |message| {
+            collected.lock().unwrap().push((
+                message.partition,
+                message.offset,
+                message.payload.unwrap_or_default(),
+            ));
+        })
+    })
+    .await
+    .unwrap()
+    .expect("tail");
+    let limit = Duration::from_secs(20);
+    tail.catch_up_all(2, limit)
+        .await
+        .expect("the tail covers what was there, markers and aborted batches included");
+    assert_eq!(seen.lock().unwrap().len(), 300, "committed messages, once");
+
+    // After: another committed array; a catch-up returns once it is read.
+    producer
+        .transact(messages(&topic.name, 200, "-after"))
+        .await
+        .expect("transact");
+    tail.catch_up_all(2, limit).await.expect("caught up again");
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 500);
+        assert!(
+            seen.iter()
+                .all(|(_, _, payload)| !payload.ends_with(b"-doomed"))
+        );
+        let distinct: BTreeSet<(i32, i64)> = seen.iter().map(|(p, o, _)| (*p, *o)).collect();
+        assert_eq!(distinct.len(), 500, "no message handed over twice");
+    }
+
+    // An open transaction on partition 0 holds a catch-up of partition 0
+    // (it may hold an answer), not of partition 1.
+    let foreign = quire_tests::raw_transactional_producer(&kafka_settings(), &unique("open"));
+    let at = quire_tests::send_in_transaction(&foreign, &topic.name, "open").await;
+    let open_partition = at.partition;
+    let other = 1 - open_partition;
+    tail.catch_up(other, limit)
+        .await
+        .expect("another partition is not held");
+    let held = tail.catch_up(open_partition, Duration::from_secs(2)).await;
+    assert!(
+        held.is_err(),
+        "a catch-up passed an open transaction: {held:?}"
+    );
+    let committing = tokio::task::spawn_blocking(move || {
+        rdkafka::producer::Producer::commit_transaction(&foreign, Duration::from_secs(30))
+            .expect("commit the open transaction")
+    });
+    tail.catch_up(open_partition, limit)
+        .await
+        .expect("caught up once the transaction ended");
+    committing.await.unwrap();
+    assert!(
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|(partition, offset, _)| *partition == at.partition && *offset == at.offset),
+        "the message of the committed transaction was handed over"
+    );
+}

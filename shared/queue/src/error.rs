@@ -61,6 +61,12 @@ pub enum QueueError {
 
     #[error("blocking kafka task panicked or was cancelled: {0}")]
     Join(String),
+
+    #[error("{0}")]
+    Read(#[from] crate::ReadError),
+
+    #[error("cannot start a kafka client's thread: {0}")]
+    Thread(String),
 }
 
 impl QueueError {

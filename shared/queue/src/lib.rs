@@ -27,6 +27,7 @@ mod group_commit;
 mod message;
 mod producer;
 mod reader;
+mod tail;
 
 pub use admin::{
     TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics, design_topics, ensure_topics,
@@ -44,6 +45,7 @@ pub use producer::{
     Followers, ProducerOptions, ProducerStatistics, Release, TransactionalProducer,
 };
 pub use reader::{PartitionReader, ReadError, ReaderOptions};
+pub use tail::TopicTail;
 
 /// Re-exported so callers can read librdkafka's statistics, and match the
 /// errors inside [`QueueError`], without depending on rdkafka themselves:

@@ -311,8 +311,9 @@ impl PartitionReader {
     }
 
     /// A ListOffsets through `client`, asked again after a transient error
-    /// (a connection still being re-established after a broker restart) until
-    /// `deadline`: the client's state from before is not the broker's answer.
+    /// (a connection still being re-established after a broker restart, a
+    /// leader moving) until `deadline`: the client's state from before is
+    /// not the broker's answer.
     fn ask(
         &self,
         client: &BaseConsumer<QuietAboutTheEnd>,
@@ -331,6 +332,24 @@ impl PartitionReader {
                 Ok(watermarks) => return Ok(watermarks),
                 Err(source) if is_transient(&source) && !remaining.is_zero() => {
                     tracing::debug!(error = %source, "watermark request failed for now; asking again");
+                    std::thread::sleep(POLL_INTERVAL);
+                }
+                // librdkafka answers this locally, without asking a broker,
+                // while its cached metadata has no leader for the partition
+                // (a leader moving); nothing refreshes that cache for minutes
+                // unless asked, so ask for the topic's metadata, then again.
+                Err(source)
+                    if source.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition)
+                        && !remaining.is_zero() =>
+                {
+                    tracing::debug!(error = %source, "no leader known for the partition; refreshing metadata");
+                    if let Err(error) = client.fetch_metadata(
+                        Some(topic),
+                        self.call_timeout
+                            .min(remaining.max(Duration::from_millis(100))),
+                    ) {
+                        tracing::debug!(error = %error, "metadata refresh failed; asking again");
+                    }
                     std::thread::sleep(POLL_INTERVAL);
                 }
                 Err(source) => {
