@@ -73,6 +73,7 @@ impl TestStack {
             report_events: unique(&format!("test.{prefix}.events")),
             watermarks: unique(&format!("test.{prefix}.watermarks")),
             dead_letters: unique(&format!("test.{prefix}.dead")),
+            idempotency: unique(&format!("test.{prefix}.idempotency")),
         }
     }
 

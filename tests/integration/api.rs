@@ -1277,3 +1277,75 @@ async fn tokens_act_within_their_scopes_over_https_and_no_secret_is_logged() {
     }
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// An `Idempotency-Key`'s answer lives in Kafka, written in the array's
+/// own transaction: a retry that reaches another replica, or the same
+/// replica after a restart, is answered from it and publishes nothing.
+/// Before, keys lived in one process: the second replica and the
+/// restarted one published the array again.
+#[tokio::test]
+async fn a_key_is_answered_by_another_replica_and_after_a_restart() {
+    let stack = TestStack::create("api-key-log").await;
+    let replica = |id: &'static str| {
+        stack
+            .api()
+            .with(move |settings| settings.api.replica_id = id.into())
+    };
+    let first = replica("api-a").start_api().await;
+    let second = replica("api-b").start_api().await;
+    let stream = unique("shared-key");
+    let records_path = format!("/v1/streams/{stream}/records");
+    let cut_path = format!("/v1/streams/{stream}/reports");
+    let array = json!(records(&stream, 0, 4));
+
+    let (status, headers, answer) = first.post(&records_path, &array, Some(b"k-1")).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(headers.get("idempotent-replayed").is_none());
+    let (status, headers, replayed) = second.post(&records_path, &array, Some(b"k-1")).await;
+    assert_eq!(status, 200, "{replayed}");
+    assert_eq!(
+        headers
+            .get("idempotent-replayed")
+            .map(|value| value.to_str().unwrap()),
+        Some("true"),
+        "the other replica did not replay"
+    );
+    assert_eq!(replayed, answer, "the other replica's answer differs");
+    // The key with another body, on the other replica: refused.
+    let other = json!(records(&stream, 10, 1));
+    let (status, _, refused) = second.post(&records_path, &other, Some(b"k-1")).await;
+    assert_eq!(status, 422, "{refused}");
+    let (status, _, cut) = second.post(&cut_path, &json!({}), Some(b"cut-1")).await;
+    assert_eq!(status, 202, "{cut}");
+
+    drop(first);
+    drop(second);
+    let restarted = replica("api-a").start_api().await;
+    let (status, headers, again) = restarted.post(&records_path, &array, Some(b"k-1")).await;
+    assert_eq!(status, 200, "{again}");
+    assert!(
+        headers.contains_key("idempotent-replayed"),
+        "not replayed after a restart"
+    );
+    assert_eq!(again, answer);
+    let (status, headers, cut_again) = restarted.post(&cut_path, &json!({}), Some(b"cut-1")).await;
+    assert_eq!(status, 202, "{cut_again}");
+    assert!(headers.contains_key("idempotent-replayed"));
+    assert_eq!(cut_again, cut, "the cut's report id changed");
+    assert_eq!(
+        headers
+            .get("location")
+            .map(|value| value.to_str().unwrap().to_owned()),
+        Some(format!(
+            "/v1/reports/{}",
+            cut["report_id"].as_str().unwrap()
+        )),
+    );
+
+    let bodies = committed_bodies(&stack, &stream);
+    assert_eq!(
+        sequence_numbers(&bodies),
+        [0, 1, 2, 3],
+        "published more than once"
+    );
+}

@@ -37,6 +37,7 @@ async fn a_watermark_topic_without_the_compaction_bounds_is_refused_at_start_up(
         report_events: unique("test.bounds.events"),
         watermarks: unique("test.bounds.watermarks"),
         dead_letters: unique("test.bounds.dead"),
+        idempotency: unique("test.bounds.idempotency"),
     };
     let specs = quire_queue::design_topics(&names, 1);
     let mut guards = Vec::new();

@@ -32,6 +32,7 @@ use crate::body::{InFlightBytes, read_body_reserving};
 use crate::errors::ApiError;
 use crate::idempotency::{self, Begin, IdempotencyStore, ScopedKey, StoredResponse};
 use crate::kafka_health::KafkaHealth;
+use crate::key_log::KeyLog;
 use crate::metrics::Metrics;
 
 /// What admission uses, and nothing else.
@@ -47,6 +48,8 @@ pub struct Gate {
     pub body_read_timeout: Duration,
     /// Whether bearer tokens are checked (keys are then scoped per token).
     pub tokens_enabled: bool,
+    /// The answers of every replica in Kafka (none in unit tests).
+    pub key_log: Option<Arc<KeyLog>>,
 }
 
 /// Which admission a route gets.
@@ -115,6 +118,24 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
         key,
     };
     let fingerprint = idempotency::fingerprint(parts.method.as_str(), &path, &body);
+    // A key unknown here may have been answered by another replica, or by
+    // this one before a restart: wait until the tail has read what was
+    // committed before now (at most the publish timeout; failing, 503 and
+    // nothing published). While Kafka is known to be away, no wait: the
+    // gate below answers 503 at once.
+    if let Some(key_log) = &state.key_log
+        && !state.idempotency.contains(&scoped)
+        && state.kafka_health.unavailable_because().is_none()
+    {
+        key_log
+            .catch_up_for(&scoped)
+            .await
+            .map_err(|error| ApiError::KeyLogUnavailable(error.to_string()))?;
+    }
+    let keyed = idempotency::KeyedRequest {
+        key: scoped.clone(),
+        fingerprint,
+    };
     let claim = match state.idempotency.begin(scoped, fingerprint) {
         Begin::Replay(stored) => {
             state.metrics.idempotent_replay();
@@ -130,7 +151,8 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
         return Err(ApiError::KafkaUnavailable(reason));
     }
     let method = parts.method.clone();
-    let request = Request::from_parts(parts, Body::from(body));
+    let mut request = Request::from_parts(parts, Body::from(body));
+    request.extensions_mut().insert(keyed);
     // The request runs to its end even if the client goes away, so an array
     // that gets published is always remembered under its key.
     let handled = tokio::spawn(async move {
@@ -267,6 +289,7 @@ mod tests {
             max_body_bytes: 1000,
             body_read_timeout: Duration::from_secs(5),
             tokens_enabled: false,
+            key_log: None,
         };
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&calls);

@@ -180,6 +180,11 @@ pub enum ApiError {
     #[error("kafka is not reachable ({0}); nothing was published; retry after Retry-After seconds")]
     KafkaUnavailable(String),
 
+    #[error(
+        "the stored answers of Idempotency-Keys could not be read from kafka ({0}); nothing was published"
+    )]
+    KeyLogUnavailable(String),
+
     #[error("{0}")]
     Publish(#[from] QueueError),
 
@@ -284,6 +289,7 @@ impl ApiError {
             }
             ApiError::Publish(_) => (S::SERVICE_UNAVAILABLE, "publish_failed"),
             ApiError::KafkaUnavailable(_) => (S::SERVICE_UNAVAILABLE, "kafka_unavailable"),
+            ApiError::KeyLogUnavailable(_) => (S::SERVICE_UNAVAILABLE, "idempotency_lookup_failed"),
             ApiError::Log(error) if error.is_not_yet_stable() => {
                 (S::SERVICE_UNAVAILABLE, "report_not_yet_readable")
             }
@@ -324,6 +330,9 @@ impl ApiError {
             }
             "kafka_unavailable" => {
                 "kafka is not reachable; nothing was published; retry after Retry-After seconds"
+            }
+            "idempotency_lookup_failed" => {
+                "the stored answers of Idempotency-Keys could not be read; nothing was published; retry after Retry-After seconds"
             }
             "report_not_yet_readable" => {
                 "the report's marker is not readable yet; retry after Retry-After seconds"

@@ -17,8 +17,10 @@
 //! holds the most, so one client's flood pushes out its own keys, not
 //! another's.
 //!
-//! The store is in memory, in this process: a key survives neither a
-//! restart nor a request that lands on another replica.
+//! The store is in memory; [`crate::key_log`] writes each answer that
+//! published to Kafka in the array's own transaction, loads them at
+//! start-up and catches up before a key unknown here is handled, so a key
+//! survives a restart and is shared by the replicas.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -40,6 +42,14 @@ use crate::errors::ApiError;
 #[derive(Clone)]
 pub struct Unsettled {
     pub settle: Arc<dyn Fn() -> BoxFuture<'static, Option<Response>> + Send + Sync>,
+}
+
+/// Put on a keyed request that proceeds (a request extension): the route
+/// stores its answer in Kafka, in the array's transaction, under this key.
+#[derive(Debug, Clone)]
+pub struct KeyedRequest {
+    pub key: ScopedKey,
+    pub fingerprint: Digest32,
 }
 
 /// The request header.
@@ -317,6 +327,46 @@ impl IdempotencyStore {
             key: Some(key),
             generation,
         })
+    }
+
+    /// Remembers an answer read from the log (another replica's, or this
+    /// one's before a restart), given `age` ago, unless the key is known
+    /// here already.
+    pub fn insert_answered(
+        &self,
+        key: ScopedKey,
+        fingerprint: Digest32,
+        answer: StoredResponse,
+        age: Duration,
+    ) {
+        let now = Instant::now();
+        let created = now.checked_sub(age).unwrap_or(now);
+        let mut inner = self.lock();
+        if inner.entries.contains_key(&key) {
+            return;
+        }
+        let generation = inner.next_generation;
+        inner.next_generation += 1;
+        let bytes = key.size() + answer.size();
+        let keys = inner.principals.entry(key.principal).or_default();
+        keys.order.push_back((key.clone(), generation, created));
+        keys.keys += 1;
+        inner.add_bytes(&key.principal, bytes);
+        inner.entries.insert(
+            key,
+            Entry {
+                generation,
+                fingerprint,
+                state: State::Done(Arc::new(answer)),
+                bytes,
+            },
+        );
+        self.evict(&mut inner, now);
+    }
+
+    /// Whether the key is known here (answered, in progress or settling).
+    pub fn contains(&self, key: &ScopedKey) -> bool {
+        self.lock().entries.contains_key(key)
     }
 
     /// Keys remembered (answered, in progress or settling).

@@ -24,6 +24,7 @@ pub mod body;
 pub mod errors;
 pub mod idempotency;
 pub mod kafka_health;
+pub mod key_log;
 pub mod log_reader;
 pub mod metrics;
 pub mod openapi;

@@ -13,8 +13,8 @@ use std::time::Duration;
 use quire_config::{ApiSettings, KafkaSettings};
 use quire_messages::{MessageKind, StreamName, records};
 use quire_queue::{
-    ArrayEnqueuer, GroupCommitLimits, MessageId, OutMessage, ProducerOptions, QueueError, Release,
-    TransactionObserver, TransactionalProducer,
+    ArrayEnqueuer, Followers, GroupCommitLimits, MessageId, OutMessage, ProducerOptions,
+    QueueError, Release, TransactionObserver, TransactionalProducer,
 };
 use serde_json::value::RawValue;
 
@@ -158,7 +158,11 @@ impl Publisher {
     /// unknown after Kafka went away) is recreated in the background with
     /// the same transactional id, until Kafka lets it: the API recovers
     /// without a restart.
-    pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
+    pub async fn publish(
+        &self,
+        messages: Vec<OutMessage>,
+        followers: Option<Followers>,
+    ) -> Result<Vec<MessageId>, QueueError> {
         self.repair();
         let index = self.pick();
         let connected = self.slots[index]
@@ -166,7 +170,10 @@ impl Publisher {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let outcome = connected.enqueuer.enqueue_array(messages).await;
+        let outcome = connected
+            .enqueuer
+            .enqueue_array_then(messages, followers)
+            .await;
         if !connected.producer.is_usable() {
             self.recreate(index);
         }
@@ -183,9 +190,10 @@ impl Publisher {
         &self,
         log: &LogReader,
         messages: Vec<OutMessage>,
+        followers: Option<Followers>,
     ) -> Result<Vec<MessageId>, QueueError> {
         let key = messages.first().and_then(|message| message.key.clone());
-        match self.publish(messages).await {
+        match self.publish(messages, followers).await {
             Err(QueueError::CommitOutcomeUnknown { source, ids }) => {
                 let (Some(key), Some(&first)) = (key, ids.first()) else {
                     return Err(QueueError::CommitOutcomeUnknown { source, ids });

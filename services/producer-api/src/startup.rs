@@ -20,6 +20,7 @@ use crate::body::InFlightBytes;
 use crate::errors::ApiError;
 use crate::idempotency::{IdempotencyStore, StoreLimits};
 use crate::kafka_health::{self, KafkaHealth};
+use crate::key_log::KeyLog;
 use crate::log_reader::{LogError, LogReader};
 use crate::metrics::{self, Metrics};
 use crate::openapi;
@@ -32,6 +33,9 @@ use crate::storage::Storage;
 use crate::validation::Limits;
 
 /// Why the API would not start.
+/// How long start-up waits to read the stored `Idempotency-Key` answers.
+const KEY_LOG_LOAD_LIMIT: Duration = Duration::from_secs(120);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
     #[error("cannot listen on {address} (api.listen): {source}")]
@@ -61,6 +65,8 @@ pub enum StartupError {
     Topics(QueueError),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
+    #[error("cannot load the stored Idempotency-Key answers: {0}")]
+    KeyLog(String),
     #[error("cannot start the report look-up reader: {0}")]
     LogReader(LogError),
 }
@@ -107,13 +113,50 @@ impl Application {
             .map(|spec| spec.partitions)
             .expect("design_topics lists the records topic");
 
+        let key_log_partitions = specs
+            .iter()
+            .find(|spec| spec.name == settings.kafka.topics.idempotency)
+            .map(|spec| spec.partitions)
+            .expect("design_topics lists the idempotency topic");
+        let idempotency = IdempotencyStore::new(StoreLimits {
+            max_keys: settings.api.idempotency_max_keys,
+            max_bytes: settings.api.idempotency_max_bytes,
+            ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
+        });
+        let key_log = {
+            let (kafka, store) = (settings.kafka.clone(), Arc::clone(&idempotency));
+            let group_id = format!(
+                "{}-{}-idempotency",
+                settings.api.transactional_id_prefix, settings.api.replica_id
+            );
+            let ttl = Duration::from_millis(settings.api.idempotency_ttl_ms);
+            let catch_up_limit = Duration::from_millis(settings.api.publish_timeout_ms);
+            tokio::task::spawn_blocking(move || {
+                KeyLog::start(
+                    &kafka,
+                    key_log_partitions,
+                    &group_id,
+                    ttl,
+                    catch_up_limit,
+                    store,
+                )
+            })
+            .await
+            .map_err(|error| StartupError::KeyLog(error.to_string()))?
+            .map(Arc::new)
+            .map_err(|error| StartupError::KeyLog(error.to_string()))?
+        };
         let metrics = Arc::new(Metrics::new());
         let records_topic = RecordsTopic::new(&settings.kafka.topics.records);
         let publisher = Publisher::connect(
             &settings.kafka,
             &settings.api,
             Arc::clone(&metrics),
-            records_topic.release_messages(records_partitions),
+            records_topic
+                .release_messages(records_partitions)
+                .into_iter()
+                .chain(key_log.release_messages())
+                .collect(),
         )
         .await
         .map_err(StartupError::Producers)?;
@@ -149,6 +192,18 @@ impl Application {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
 
+        let loading = std::time::Instant::now();
+        let loaded = key_log
+            .load(KEY_LOG_LOAD_LIMIT)
+            .await
+            .map_err(|error| StartupError::KeyLog(error.to_string()))?;
+        tracing::info!(
+            loaded,
+            elapsed_ms = loading.elapsed().as_millis() as u64,
+            topic = %settings.kafka.topics.idempotency,
+            "idempotency keys loaded"
+        );
+
         let services = Arc::new(Services {
             limits,
             records_topic,
@@ -159,11 +214,8 @@ impl Application {
                 settings.api.max_in_flight_bytes,
                 metrics.in_flight_bytes_gauge(),
             ),
-            idempotency: IdempotencyStore::new(StoreLimits {
-                max_keys: settings.api.idempotency_max_keys,
-                max_bytes: settings.api.idempotency_max_bytes,
-                ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
-            }),
+            idempotency,
+            key_log,
             kafka_health,
             tokens_enabled: tokens.enabled(),
             control_limits: control_limits(&settings)?,

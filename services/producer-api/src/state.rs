@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use quire_queue::{MessageId, OutMessage, QueueError};
+use quire_queue::{Followers, MessageId, OutMessage, QueueError};
 
 use axum::extract::FromRef;
 use axum::response::{IntoResponse, Response};
@@ -11,8 +11,9 @@ use futures::future::BoxFuture;
 use crate::admission::Gate;
 use crate::body::InFlightBytes;
 use crate::errors::ApiError;
-use crate::idempotency::{IdempotencyStore, Unsettled};
+use crate::idempotency::{IdempotencyStore, KeyedRequest, StoredResponse, Unsettled};
 use crate::kafka_health::KafkaHealth;
+use crate::key_log::KeyLog;
 use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
 use crate::publish::{Publisher, RecordsTopic};
@@ -36,6 +37,8 @@ pub struct Services {
     pub kafka_health: Arc<KafkaHealth>,
     /// Whether bearer tokens are checked (keys are then scoped per token).
     pub tokens_enabled: bool,
+    /// Idempotency-Key answers in Kafka, shared by the replicas.
+    pub key_log: Arc<KeyLog>,
     /// Cuts and definition changes per stream and per principal.
     pub control_limits: ControlLimits,
     /// `api.replica_id`, named when a producer is fenced.
@@ -46,22 +49,40 @@ impl Services {
     /// Publishes `messages` in one transaction, settling an unknown commit
     /// outcome from the log (see [`Publisher::publish_settled`]).
     pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
-        self.publisher.publish_settled(&self.log, messages).await
+        self.publisher
+            .publish_settled(&self.log, messages, None)
+            .await
     }
 
-    /// [`publish`](Self::publish), answered by `answer` from the ids. An
-    /// outcome still unknown is answered 500 `publish_outcome_unknown`,
-    /// with an [`Unsettled`] extension that keeps reading the log for it,
-    /// so an `Idempotency-Key` retry is answered from the outcome instead
-    /// of publishing again.
+    /// [`publish`](Self::publish), answered by `answer` from the ids. For a
+    /// keyed request, the answer is also written to the key log in the
+    /// array's transaction. An outcome still unknown is answered 500
+    /// `publish_outcome_unknown`, with an [`Unsettled`] extension that keeps
+    /// reading the log for it, so an `Idempotency-Key` retry is answered
+    /// from the outcome instead of publishing again.
     pub async fn publish_answered(
         &self,
         messages: Vec<OutMessage>,
-        answer: impl Fn(Vec<MessageId>) -> Response + Send + Sync + 'static,
+        keyed: Option<KeyedRequest>,
+        answer: impl Fn(Vec<MessageId>) -> Result<StoredResponse, ApiError> + Send + Sync + 'static,
     ) -> Response {
         let key = messages.first().and_then(|message| message.key.clone());
-        let (source, ids) = match self.publish(messages).await {
-            Ok(ids) => return answer(ids),
+        let answer = Arc::new(answer);
+        let followers = keyed.map(|keyed| {
+            let (answer, key_log) = (Arc::clone(&answer), Arc::clone(&self.key_log));
+            Box::new(move |ids: &[MessageId]| match answer(ids.to_vec()) {
+                Ok(stored) if stored.status.is_success() => {
+                    vec![key_log.entry(&keyed.key, &keyed.fingerprint, &stored)]
+                }
+                _ => Vec::new(),
+            }) as Followers
+        });
+        let (source, ids) = match self
+            .publisher
+            .publish_settled(&self.log, messages, followers)
+            .await
+        {
+            Ok(ids) => return respond(answer(ids)),
             Err(QueueError::CommitOutcomeUnknown { source, ids }) => (source, ids),
             Err(error) => return ApiError::Publish(error).into_response(),
         };
@@ -74,7 +95,6 @@ impl Services {
             return response; // no delivery report: nothing to read
         };
         let log = Arc::clone(&self.log);
-        let answer = Arc::new(answer);
         let settle = move || -> BoxFuture<'static, Option<Response>> {
             let (log, key, ids, answer, source) = (
                 Arc::clone(&log),
@@ -85,7 +105,7 @@ impl Services {
             );
             Box::pin(async move {
                 match log.settle(&key, first).await {
-                    Ok(true) => Some(answer(ids)),
+                    Ok(true) => Some(respond(answer(ids))),
                     Ok(false) => Some(
                         ApiError::Publish(QueueError::TransactionAborted(source)).into_response(),
                     ),
@@ -103,6 +123,20 @@ impl Services {
     }
 }
 
+/// An answer as a response.
+pub fn respond(answer: Result<StoredResponse, ApiError>) -> Response {
+    match answer {
+        Ok(stored) => {
+            let mut response = (stored.status, stored.body).into_response();
+            for (name, value) in stored.headers {
+                response.headers_mut().insert(name, value);
+            }
+            response
+        }
+        Err(error) => error.into_response(),
+    }
+}
+
 pub type AppState = Arc<Services>;
 
 impl FromRef<AppState> for Gate {
@@ -115,6 +149,7 @@ impl FromRef<AppState> for Gate {
             max_body_bytes: state.limits.max_body_bytes,
             body_read_timeout: state.limits.body_read_timeout,
             tokens_enabled: state.tokens_enabled,
+            key_log: Some(Arc::clone(&state.key_log)),
         }
     }
 }

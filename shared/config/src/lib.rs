@@ -127,6 +127,7 @@ pub struct TopicNames {
     pub report_events: String,
     pub watermarks: String,
     pub dead_letters: String,
+    pub idempotency: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

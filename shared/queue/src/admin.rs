@@ -21,6 +21,9 @@ pub struct TopicSpec {
 }
 
 const SEVEN_DAYS_MS: u64 = 7 * 24 * 3600 * 1000;
+/// How long stored Idempotency-Key answers are kept (at least the API's
+/// default `idempotency_ttl_ms`, 24 h).
+pub const IDEMPOTENCY_RETENTION_MS: u64 = 2 * 24 * 3600 * 1000;
 
 /// The watermark topic's compaction settings: what bounds the read of a
 /// take-over. The active segment is never compacted, so it rolls after
@@ -69,6 +72,11 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
         ),
         spec(&names.report_events, 3, &[]),
         spec(&names.dead_letters, 3, &[]),
+        spec(
+            &names.idempotency,
+            12,
+            &[("retention.ms", IDEMPOTENCY_RETENTION_MS.to_string())],
+        ),
     ]
 }
 
@@ -237,6 +245,7 @@ mod tests {
             report_events: "e".into(),
             watermarks: "w".into(),
             dead_letters: "d".into(),
+            idempotency: "i".into(),
         };
         let specs = design_topics(&names, 1);
         let watermarks = specs.iter().find(|spec| spec.name == "w").unwrap();

@@ -35,6 +35,7 @@ pub async fn run(args: TakeoverArgs) -> anyhow::Result<()> {
         report_events: unique("bench.takeover.events"),
         watermarks: unique("bench.takeover.watermarks"),
         dead_letters: unique("bench.takeover.dead"),
+        idempotency: unique("bench.takeover.idempotency"),
     };
     let design: TopicSpec = quire_queue::design_topics(&names, 1)
         .into_iter()

@@ -2,16 +2,18 @@
 
 use std::time::Instant;
 
+use axum::Extension;
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use quire_queue::{MessageId, OutMessage};
 use serde::{Serialize, Serializer};
 
 use crate::body::read_body;
 use crate::errors::ApiError;
+use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::routes::StreamPath;
 use crate::state::AppState;
 use crate::validation::{BodyFormat, parse_records};
@@ -39,6 +41,7 @@ impl Serialize for DisplayedId {
 pub async fn post_records(
     State(state): State<AppState>,
     StreamPath(stream): StreamPath,
+    keyed: Option<Extension<KeyedRequest>>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -60,19 +63,25 @@ pub async fn post_records(
     let enqueued_at = Instant::now();
     let answer = move |ids: Vec<MessageId>| {
         if ids.len() != count {
-            return ApiError::Internal(format!(
+            return Err(ApiError::Internal(format!(
                 "kafka returned {} ids for {count} records",
                 ids.len()
-            ))
-            .into_response();
+            )));
         }
-        Json(RecordsAccepted {
+        let body = serde_json::to_vec(&RecordsAccepted {
             count,
             ids: ids.into_iter().map(DisplayedId).collect(),
         })
-        .into_response()
+        .map_err(|error| ApiError::Internal(error.to_string()))?;
+        Ok(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![("content-type", HeaderValue::from_static("application/json"))],
+            body: body.into(),
+        })
     };
-    let response = state.publish_answered(messages, answer).await;
+    let response = state
+        .publish_answered(messages, keyed.map(|Extension(keyed)| keyed), answer)
+        .await;
     if response.status().is_success() {
         state.metrics.array_accepted(count, enqueued_at.elapsed());
     }

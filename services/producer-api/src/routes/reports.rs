@@ -1,16 +1,17 @@
 //! Reports: cut now, status, content (streamed from S3), and a stream's list.
 
-use axum::Json;
 use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
+use axum::{Extension, Json};
 use futures::{StreamExt, TryStreamExt};
 use quire_messages::{CutMarker, Manifest, MessageKind, ReportId, StreamName};
 use quire_queue::MessageId;
 use serde::{Deserialize, Serialize};
 
 use crate::errors::ApiError;
+use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::log_reader::CutLookup;
 use crate::routes::{ReportPath, StreamPath};
 use crate::state::AppState;
@@ -74,6 +75,7 @@ fn content_path(id: &ReportId) -> String {
 pub async fn post_cut(
     State(state): State<AppState>,
     StreamPath(stream): StreamPath,
+    keyed: Option<Extension<KeyedRequest>>,
     headers: axum::http::HeaderMap,
 ) -> Result<Response, ApiError> {
     state.control_limits.check(
@@ -86,9 +88,11 @@ pub async fn post_cut(
         quire_messages::encode(&CutMarker::explicit()),
     );
     let response = state
-        .publish_answered(vec![marker], move |ids| {
-            cut_answer(&stream, &ids).unwrap_or_else(IntoResponse::into_response)
-        })
+        .publish_answered(
+            vec![marker],
+            keyed.map(|Extension(keyed)| keyed),
+            move |ids| cut_answer(&stream, &ids),
+        )
         .await;
     if response.status().is_success() {
         state.metrics.cut_published();
@@ -97,7 +101,7 @@ pub async fn post_cut(
 }
 
 /// 202 with the report's id (the cut marker's place in the log).
-fn cut_answer(stream: &StreamName, ids: &[MessageId]) -> Result<Response, ApiError> {
+fn cut_answer(stream: &StreamName, ids: &[MessageId]) -> Result<StoredResponse, ApiError> {
     let landed = ids
         .first()
         .ok_or_else(|| ApiError::Internal("kafka returned no id for the cut marker".into()))?;
@@ -109,12 +113,16 @@ fn cut_answer(stream: &StreamName, ids: &[MessageId]) -> Result<Response, ApiErr
     tracing::info!(report_id = %id, "report cut");
     let location = HeaderValue::try_from(report_path(&id))
         .map_err(|error| ApiError::Internal(error.to_string()))?;
-    Ok((
-        StatusCode::ACCEPTED,
-        [(header::LOCATION, location)],
-        Json(ReportView::pending(id)),
-    )
-        .into_response())
+    let body = serde_json::to_vec(&ReportView::pending(id))
+        .map_err(|error| ApiError::Internal(error.to_string()))?;
+    Ok(StoredResponse {
+        status: StatusCode::ACCEPTED,
+        headers: vec![
+            ("content-type", HeaderValue::from_static("application/json")),
+            ("location", location),
+        ],
+        body: body.into(),
+    })
 }
 
 /// `GET /v1/reports/{id}`.
