@@ -859,13 +859,21 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
     let attempts: Vec<&Attempt> = results.iter().flat_map(|sent| &sent.attempts).collect();
     let (coordinator_window, coordinator_refusals) = acceptance_gap(&attempts, coordinator_killed);
     let (leader_window, leader_refusals) = acceptance_gap(&attempts, leader_killed);
-    let no_answer = attempts
+    // When each unanswered request was sent, from the coordinator's kill
+    // (the records leader was killed about 20 s later).
+    let unanswered_at: Vec<String> = attempts
         .iter()
         .filter(|attempt| attempt.outcome.is_err())
-        .count();
+        .map(|attempt| {
+            let at = attempt.sent_at.saturating_duration_since(coordinator_killed);
+            format!("{:.1}s", at.as_secs_f64())
+        })
+        .collect();
+    let no_answer = unanswered_at.len();
     let sent = accepted_by_stream(&results);
     quire_tests::figures(&format!(
-        "three brokers: {} attempts, {} records accepted, {no_answer} without an answer; \
+        "three brokers: {} attempts, {} records accepted, {no_answer} without an answer \
+         (sent at {unanswered_at:?} after the coordinator kill); \
          coordinator (node {coordinator}) killed: no array accepted for {coordinator_window:?} \
          ({coordinator_refusals} answered 503), worker stalled {:?}; \
          records leader (node {leader}) killed: no array accepted for {leader_window:?} \

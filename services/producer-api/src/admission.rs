@@ -120,7 +120,7 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
     let fingerprint = idempotency::fingerprint(parts.method.as_str(), &path, &body);
     // A key unknown here may have been answered by another replica, or by
     // this one before a restart: wait until the tail has read what was
-    // committed before now (at most the publish timeout; failing, 503 and
+    // committed before now (at most api.idempotency_lookup_timeout_ms; failing, 503 and
     // nothing published). While Kafka is known to be away, no wait: the
     // gate below answers 503 at once.
     if let Some(key_log) = &state.key_log

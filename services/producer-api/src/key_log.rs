@@ -16,7 +16,7 @@
 //! Before a replica handles a key it does not know, it catches up on that
 //! key's partition: it asks the partition's high watermark and waits until
 //! the tail has covered it (every transaction below it has ended and been
-//! read), at most `api.publish_timeout_ms`. An answer that another replica,
+//! read), at most `api.idempotency_lookup_timeout_ms` (2 s). An answer that another replica,
 //! or this one before a restart, committed before the retry arrived is
 //! therefore found, and replayed, instead of publishing again. A catch-up
 //! that cannot finish (Kafka away, a leader moving, a transaction left
@@ -63,8 +63,8 @@ pub struct KeyLog {
     tail: TopicTail,
     /// Answers handed to the store by the tail since start-up.
     loaded: Arc<AtomicUsize>,
-    /// How long a look-up may wait for the tail (`api.publish_timeout_ms`:
-    /// no longer than the publish it stands before).
+    /// How long a look-up may wait for the tail
+    /// (`api.idempotency_lookup_timeout_ms`).
     catch_up_limit: Duration,
 }
 
@@ -194,7 +194,7 @@ impl KeyLog {
     /// Waits until every answer committed on `key`'s partition before this
     /// call (by any replica) is in the store: a transaction still open
     /// there may hold the key's answer, so it is waited for too. At most
-    /// the publish timeout.
+    /// `api.idempotency_lookup_timeout_ms`.
     pub async fn catch_up_for(&self, key: &ScopedKey) -> Result<(), ReadError> {
         self.tail
             .catch_up(self.partition_of(key), self.catch_up_limit)

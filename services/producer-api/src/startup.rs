@@ -130,7 +130,7 @@ impl Application {
                 settings.api.transactional_id_prefix, settings.api.replica_id
             );
             let ttl = Duration::from_millis(settings.api.idempotency_ttl_ms);
-            let catch_up_limit = Duration::from_millis(settings.api.publish_timeout_ms);
+            let catch_up_limit = Duration::from_millis(settings.api.idempotency_lookup_timeout_ms);
             tokio::task::spawn_blocking(move || {
                 KeyLog::start(
                     &kafka,

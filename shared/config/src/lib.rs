@@ -48,6 +48,7 @@ pub struct ApiSettings {
     pub idempotency_max_keys: usize,
     pub idempotency_max_bytes: usize,
     pub idempotency_ttl_ms: u64,
+    pub idempotency_lookup_timeout_ms: u64,
     pub max_in_flight_bytes: usize,
     pub body_read_timeout_ms: u64,
     pub publish_timeout_ms: u64,
