@@ -865,7 +865,9 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
         .iter()
         .filter(|attempt| attempt.outcome.is_err())
         .map(|attempt| {
-            let at = attempt.sent_at.saturating_duration_since(coordinator_killed);
+            let at = attempt
+                .sent_at
+                .saturating_duration_since(coordinator_killed);
             format!("{:.1}s", at.as_secs_f64())
         })
         .collect();
