@@ -595,10 +595,25 @@ fn dockerfile_builds_the_local_stack_binaries_and_runs_them_unprivileged() {
         let copies_binary = stage
             .instructions
             .iter()
-            .any(|(k, v)| k == "COPY" && v.contains("--from=builder") && v.contains(name));
+            .any(|(k, v)| k == "COPY" && v.contains("--from=binaries") && v.contains(name));
         assert!(
             copies_binary,
-            "stage {target} copies the {name} binary from the builder"
+            "stage {target} copies the {name} binary from the binaries stage"
         );
     }
+    // The binaries come from the builder unless the build says otherwise.
+    let binaries = stages
+        .iter()
+        .find(|s| s.name == "binaries")
+        .expect("a binaries stage");
+    assert_eq!(binaries.from, "${BINARIES}");
+    assert_eq!(dockerfile_arg_default("BINARIES"), "builder");
+    // A `# syntax=` line makes BuildKit pull a frontend image from a
+    // registry: the build then fails wherever none is reachable.
+    assert!(
+        !read("deploy/docker/Dockerfile")
+            .lines()
+            .any(|line| line.trim_start().starts_with("# syntax=")),
+        "the Dockerfile names a frontend image to pull"
+    );
 }
