@@ -105,7 +105,9 @@ pub struct SendArgs {
     #[arg(long = "state")]
     pub state_path: Option<PathBuf>,
     /// Retries of an array the API refused with 429 or 503 (it published
-    /// nothing), each after the API's Retry-After or a doubling pause (at most 30s).
+    /// nothing) or that got no answer (connection refused, reset or closed:
+    /// the same Idempotency-Key makes a published one a replay), each after
+    /// the API's Retry-After or a doubling pause (at most 30s).
     #[arg(long, default_value_t = 8)]
     pub retries: u32,
 }
@@ -120,7 +122,8 @@ pub struct CutArgs {
     /// second cut.
     #[arg(long)]
     pub idempotency_key: Option<String>,
-    /// Retries of a cut the API refused with 429 or 503 (same key).
+    /// Retries of a cut the API refused with 429 or 503, or that got no
+    /// answer (same key, so never a second cut).
     #[arg(long, default_value_t = 8)]
     pub retries: u32,
 }

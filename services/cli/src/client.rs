@@ -273,18 +273,74 @@ fn encode_segment(segment: &str) -> String {
     encoded
 }
 
-/// Whether a refused request published nothing and may be sent again with
-/// the same key: 429 and 503, and 409 `idempotency_key_in_progress` (the
-/// first request with the key is still being handled; its answer comes to
-/// the retry).
+/// Whether a request may be sent again with the same key:
+/// - the API refused it and published nothing: 429 and 503, and 409
+///   `idempotency_key_in_progress` (the first request with the key is still
+///   being handled; its answer comes to the retry);
+/// - it got no answer because the connection was refused, reset or closed,
+///   or the answer did not come in time (an API restarting, a proxy
+///   dropping connections). Whether such a request was published is
+///   unknown, which is what its Idempotency-Key is for: the API answers a
+///   retry of a published request with the first answer (the keys are kept
+///   in Kafka, so a restarted or other replica does too).
+///
+/// Not retried: any other answer, a TLS or certificate failure, a bad URL.
 pub fn is_retryable(error: &CliError) -> bool {
-    matches!(
-        error,
-        CliError::Api(api)
-            if api.status == StatusCode::SERVICE_UNAVAILABLE
+    match error {
+        CliError::Api(api) => {
+            api.status == StatusCode::SERVICE_UNAVAILABLE
                 || api.status == StatusCode::TOO_MANY_REQUESTS
                 || (api.status == StatusCode::CONFLICT && api.code == "idempotency_key_in_progress")
-    )
+        }
+        CliError::Http { source, .. } => is_transient_transport(source),
+        _ => false,
+    }
+}
+
+/// A connection that failed for a reason that passes: refused, reset,
+/// aborted or closed before the answer, or timed out.
+fn is_transient_transport(error: &reqwest::Error) -> bool {
+    use std::io::ErrorKind;
+    if error.is_timeout() {
+        return true;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                ErrorKind::ConnectionRefused
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::UnexpectedEof
+                    | ErrorKind::TimedOut
+                    | ErrorKind::NotConnected
+            )
+        {
+            return true;
+        }
+        if let Some(hyper) = cause.downcast_ref::<hyper::Error>()
+            && (hyper.is_incomplete_message() || hyper.is_closed() || hyper.is_canceled())
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
+/// The line a command prints before it retries: what went wrong, the API's
+/// Retry-After when it answered, and the pause.
+pub fn retry_line(error: &CliError, attempt: u32, retries: u32, pause: Duration) -> String {
+    let announced = match error {
+        CliError::Api(api) => match api.retry_after {
+            Some(after) => format!("; Retry-After: {}s", after.as_secs()),
+            None => "; no Retry-After".to_owned(),
+        },
+        _ => String::new(),
+    };
+    format!("{error}{announced}; retry {attempt} of {retries} in {pause:?} (same Idempotency-Key)")
 }
 
 /// Longest pause between two attempts.
@@ -332,6 +388,65 @@ mod tests {
             "publish_outcome_unknown",
             None
         )));
+    }
+
+    /// A request to `port` on loopback, as the CLI sends it, and its error.
+    async fn transport_error(url: String) -> CliError {
+        let source = reqwest::Client::new()
+            .post(&url)
+            .body("[]")
+            .send()
+            .await
+            .expect_err("the request must fail");
+        CliError::Http { url, source }
+    }
+
+    #[tokio::test]
+    async fn connections_refused_or_closed_mid_request_are_retried_tls_failures_are_not() {
+        // Refused: a port that was free a moment ago.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let refused = transport_error(format!("http://127.0.0.1:{port}/v1")).await;
+        assert!(is_retryable(&refused), "{refused}");
+
+        // Closed after the request was read, before any answer (an API
+        // killed mid-request): the request may have been published.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            drop(socket);
+        });
+        let closed = transport_error(format!("http://127.0.0.1:{port}/v1")).await;
+        server.await.unwrap();
+        assert!(is_retryable(&closed), "{closed}");
+
+        // TLS to a server that speaks plain HTTP: retrying cannot help.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let _ = socket
+                .write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+                .await;
+        });
+        let tls = transport_error(format!("https://127.0.0.1:{port}/v1")).await;
+        server.await.unwrap();
+        assert!(!is_retryable(&tls), "{tls}");
+    }
+
+    #[test]
+    fn the_retry_line_says_what_the_api_announced() {
+        let pause = Duration::from_secs(2);
+        let line = retry_line(&refused(503, "kafka_unavailable", Some(1)), 1, 8, pause);
+        assert!(line.contains("503") && line.contains("; Retry-After: 1s; retry 1 of 8 in 2s"), "{line}");
+        let line = retry_line(&refused(429, "too_busy", None), 2, 8, pause);
+        assert!(line.contains("; no Retry-After; retry 2 of 8"), "{line}");
     }
 
     #[test]

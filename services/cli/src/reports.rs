@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::cli::{CutArgs, GetArgs, GlobalOptions, ListArgs, ReportArgs, WatchArgs};
-use crate::client::{ApiClient, is_retryable, retry_pause};
+use crate::client::{ApiClient, is_retryable, retry_line, retry_pause};
 use crate::error::CliError;
 use crate::output::Output;
 use crate::send::human_bytes;
@@ -37,8 +37,8 @@ pub async fn cut(
                 attempt += 1;
                 let pause = retry_pause(&error, attempt);
                 eprintln!(
-                    "{error}; retry {attempt} of {} in {pause:?} (same Idempotency-Key)",
-                    arguments.retries
+                    "{}",
+                    retry_line(&error, attempt, arguments.retries, pause)
                 );
                 tokio::time::sleep(pause).await;
             }

@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::cli::{GlobalOptions, SendArgs};
-use crate::client::{Accepted, ApiClient, is_retryable, retry_pause};
+use crate::client::{Accepted, ApiClient, is_retryable, retry_line, retry_pause};
 use crate::error::{CliError, EXIT_INTERRUPTED};
 use crate::output::Output;
 use crate::records::RecordReader;
@@ -360,8 +360,8 @@ async fn send_batch(
                 let pause = retry_pause(&error, attempt);
                 bar.suspend(|| {
                     eprintln!(
-                        "{error}; retry {attempt} of {} in {pause:?} (same Idempotency-Key)",
-                        arguments.retries
+                        "{}",
+                        retry_line(&error, attempt, arguments.retries, pause)
                     )
                 });
                 bar.set_message(format!(
