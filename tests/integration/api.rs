@@ -603,6 +603,79 @@ async fn the_cli_sends_cuts_and_gets_and_a_resumed_send_is_not_doubled() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+#[tokio::test]
+async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
+    let stack = TestStack::create("api-limits").await;
+    let mut launch = stack.api();
+    launch.settings.api.max_records_per_request = 120;
+    let api = launch.start_api().await;
+
+    let response = api.http.get(api.url("/v1/limits")).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let limits: Value = response.json().await.unwrap();
+    assert_eq!(limits["max_records_per_request"], 120, "{limits}");
+    assert_eq!(
+        limits["max_body_bytes"],
+        stack.settings().api.max_body_bytes,
+        "{limits}"
+    );
+
+    // No --array: arrays of the API's 120 records (250 = 120 + 120 + 10),
+    // where a fixed default would have been refused or sent small arrays.
+    let directory = std::env::temp_dir().join(unique("quire-limits-test"));
+    std::fs::create_dir_all(&directory).unwrap();
+    let stream = unique("limits");
+    let file = directory.join("records.ndjson");
+    let text: String = records(&stream, 0, 250)
+        .iter()
+        .map(|record| serde_json::to_string(record).unwrap() + "\n")
+        .collect();
+    std::fs::write(&file, &text).unwrap();
+    let (code, stdout, stderr) = quire(
+        &api,
+        &["send", "-s", &stream, file.to_str().unwrap(), "--json"],
+    );
+    assert_eq!(code, 0, "quire send: {stderr}");
+    let summary: Value = serde_json::from_str(stdout.trim()).expect("send JSON");
+    assert_eq!(summary["records"], 250, "{summary}");
+    assert_eq!(summary["arrays"], 3, "{summary}");
+
+    // --max-request-bytes still bounds a request: three records' worth.
+    let bytes = text
+        .lines()
+        .take(3)
+        .map(|line| line.len() + 1)
+        .sum::<usize>();
+    let small = unique("limits-small");
+    let small_file = directory.join("small.ndjson");
+    let small_text: String = records(&small, 0, 30)
+        .iter()
+        .map(|record| serde_json::to_string(record).unwrap() + "\n")
+        .collect();
+    std::fs::write(&small_file, &small_text).unwrap();
+    let (code, stdout, stderr) = quire(
+        &api,
+        &[
+            "send",
+            "-s",
+            &small,
+            small_file.to_str().unwrap(),
+            "--max-request-bytes",
+            &bytes.to_string(),
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "quire send: {stderr}");
+    let summary: Value = serde_json::from_str(stdout.trim()).expect("send JSON");
+    assert!(summary["arrays"].as_u64().unwrap() >= 10, "{summary}");
+    assert_eq!(
+        sequence_numbers(&committed_bodies(&stack, &stream)),
+        (0..250).collect::<Vec<_>>(),
+        "every record once in the log"
+    );
+    std::fs::remove_dir_all(&directory).ok();
+}
+
 /// POSTs an array; status, `Retry-After`, error code.
 async fn post_array(
     api: &ApiProcess,

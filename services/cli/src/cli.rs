@@ -92,12 +92,15 @@ pub struct SendArgs {
     pub stream: String,
     /// NDJSON (one object per line) or one JSON array; `-` reads stdin.
     pub file: String,
-    /// Records per request.
-    #[arg(long = "array", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
-    pub array_size: u64,
-    /// Also start a new request before its body passes this many bytes.
-    #[arg(long, default_value_t = 8 * 1024 * 1024)]
-    pub max_request_bytes: u64,
+    /// Records per request (default: as many as the API takes, from
+    /// `GET /v1/limits`; 1000 from an API that does not say).
+    #[arg(long = "array", value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub array_size: Option<u64>,
+    /// Also start a new request before its body passes this many bytes
+    /// (default: the API's `max_body_bytes`; 8 MiB from an API that does
+    /// not say).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_request_bytes: Option<u64>,
     /// Continue from where the progress file says the last run stopped.
     #[arg(long)]
     pub resume: bool,
@@ -213,7 +216,8 @@ mod tests {
         };
         assert_eq!(send.stream, "orders");
         assert_eq!(send.file, "orders.ndjson");
-        assert_eq!(send.array_size, 1000);
+        assert_eq!(send.array_size, None, "from the API's limits");
+        assert_eq!(send.max_request_bytes, None, "from the API's limits");
         assert!(!send.resume);
         assert_eq!(send.state_path, None);
         assert!(!cli.global.json);
@@ -252,7 +256,7 @@ mod tests {
             panic!("not send")
         };
         assert_eq!(send.file, "-");
-        assert_eq!(send.array_size, 50);
+        assert_eq!(send.array_size, Some(50));
         assert!(send.resume);
         assert_eq!(send.state_path, Some(PathBuf::from("p.json")));
     }

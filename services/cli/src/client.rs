@@ -38,6 +38,14 @@ pub struct Accepted {
     pub ids: Vec<String>,
 }
 
+/// The API's bounds on a records request (`GET /v1/limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct Limits {
+    pub max_body_bytes: u64,
+    pub max_record_bytes: u64,
+    pub max_records_per_request: u64,
+}
+
 /// One page of `GET /v1/streams/{stream}/reports`.
 #[derive(Debug, Deserialize)]
 pub struct ReportPage {
@@ -171,6 +179,13 @@ impl ApiClient {
             .request(reqwest::Method::POST, &path)
             .header(IDEMPOTENCY_KEY, idempotency_key);
         self.json(builder, &path).await
+    }
+
+    /// `GET /v1/limits`: what a records request may hold at most.
+    pub async fn limits(&self) -> Result<Limits, CliError> {
+        let path = "/v1/limits";
+        self.json(self.request(reqwest::Method::GET, path), path)
+            .await
     }
 
     pub async fn report(&self, report_id: &str) -> Result<Value, CliError> {
@@ -444,7 +459,10 @@ mod tests {
     fn the_retry_line_says_what_the_api_announced() {
         let pause = Duration::from_secs(2);
         let line = retry_line(&refused(503, "kafka_unavailable", Some(1)), 1, 8, pause);
-        assert!(line.contains("503") && line.contains("; Retry-After: 1s; retry 1 of 8 in 2s"), "{line}");
+        assert!(
+            line.contains("503") && line.contains("; Retry-After: 1s; retry 1 of 8 in 2s"),
+            "{line}"
+        );
         let line = retry_line(&refused(429, "too_busy", None), 2, 8, pause);
         assert!(line.contains("; no Retry-After; retry 2 of 8"), "{line}");
     }

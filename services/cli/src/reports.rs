@@ -36,10 +36,7 @@ pub async fn cut(
             Err(error) if attempt < arguments.retries && is_retryable(&error) => {
                 attempt += 1;
                 let pause = retry_pause(&error, attempt);
-                eprintln!(
-                    "{}",
-                    retry_line(&error, attempt, arguments.retries, pause)
-                );
+                eprintln!("{}", retry_line(&error, attempt, arguments.retries, pause));
                 tokio::time::sleep(pause).await;
             }
             other => break other?,

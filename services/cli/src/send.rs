@@ -85,17 +85,23 @@ pub async fn run(
 
     // A resume cuts the input into the same arrays as the first run, so an
     // array sent again carries the same body under the same key.
-    let array_size = progress.array_size.unwrap_or(arguments.array_size);
-    let max_request_bytes = progress
-        .max_request_bytes
-        .unwrap_or(arguments.max_request_bytes);
-    if arguments.resume
-        && (array_size != arguments.array_size || max_request_bytes != arguments.max_request_bytes)
-    {
-        eprintln!(
-            "resuming with the first run's arrays: --array {array_size} --max-request-bytes {max_request_bytes}"
-        );
-    }
+    let (array_size, max_request_bytes) = match (progress.array_size, progress.max_request_bytes) {
+        (Some(array_size), Some(max_request_bytes)) => {
+            let asked_otherwise = arguments
+                .array_size
+                .is_some_and(|asked| asked != array_size)
+                || arguments
+                    .max_request_bytes
+                    .is_some_and(|asked| asked != max_request_bytes);
+            if asked_otherwise {
+                eprintln!(
+                    "resuming with the first run's arrays: --array {array_size} --max-request-bytes {max_request_bytes}"
+                );
+            }
+            (array_size, max_request_bytes)
+        }
+        _ => array_bounds(client, arguments).await?,
+    };
     if progress.run_id.is_empty() {
         // A progress file of an older release: its arrays had no keys.
         progress.run_id = SendProgress::new("", "", progress.format, None).run_id;
@@ -333,6 +339,48 @@ fn read_batches(
     }
 }
 
+/// Records per array and bytes per request where the API does not say
+/// (an API older than `GET /v1/limits`).
+const FALLBACK_ARRAY_SIZE: u64 = 1000;
+const FALLBACK_REQUEST_BYTES: u64 = 8 * 1024 * 1024;
+/// Most records per array, whatever the API allows (as `--array`).
+const MAX_ARRAY_SIZE: u64 = 100_000;
+
+/// How the input is cut into arrays: `--array` and `--max-request-bytes`
+/// where given, otherwise as large as the API takes (`GET /v1/limits`).
+/// A request costs the API about the same whatever its size, so full
+/// arrays are what makes a send as fast as the API can ingest.
+async fn array_bounds(client: &ApiClient, arguments: &SendArgs) -> Result<(u64, u64), CliError> {
+    if let (Some(array_size), Some(max_request_bytes)) =
+        (arguments.array_size, arguments.max_request_bytes)
+    {
+        return Ok((array_size, max_request_bytes));
+    }
+    let mut attempt = 0u32;
+    let limits = loop {
+        match client.limits().await {
+            Ok(limits) => break Some(limits),
+            Err(CliError::Api(api)) if api.status == reqwest::StatusCode::NOT_FOUND => break None,
+            Err(error) if attempt < arguments.retries && is_retryable(&error) => {
+                attempt += 1;
+                let pause = retry_pause(&error, attempt);
+                eprintln!("{}", retry_line(&error, attempt, arguments.retries, pause));
+                tokio::time::sleep(pause).await;
+            }
+            Err(error) => return Err(error),
+        }
+    };
+    let array_size = arguments.array_size.unwrap_or(match limits {
+        Some(limits) => limits.max_records_per_request.clamp(1, MAX_ARRAY_SIZE),
+        None => FALLBACK_ARRAY_SIZE,
+    });
+    let max_request_bytes = arguments.max_request_bytes.unwrap_or(match limits {
+        Some(limits) => limits.max_body_bytes.max(1),
+        None => FALLBACK_REQUEST_BYTES,
+    });
+    Ok((array_size, max_request_bytes))
+}
+
 /// Sends one array under its `Idempotency-Key`; a 429 or 503 (nothing
 /// published), or a 409 for the key's first request still in progress, is
 /// retried with the same key after the API's `Retry-After` or a growing
@@ -359,10 +407,7 @@ async fn send_batch(
                 attempt += 1;
                 let pause = retry_pause(&error, attempt);
                 bar.suspend(|| {
-                    eprintln!(
-                        "{}",
-                        retry_line(&error, attempt, arguments.retries, pause)
-                    )
+                    eprintln!("{}", retry_line(&error, attempt, arguments.retries, pause))
                 });
                 bar.set_message(format!(
                     "waiting {pause:?} before retry {attempt} of {}",

@@ -51,6 +51,13 @@ pub const ROUTES: &[Route] = &[
         handler: || post(records::post_records),
     },
     Route {
+        method: "GET",
+        path: "/v1/limits",
+        access: Access::Token(Scope::Write),
+        admission: None,
+        handler: || get(records::get_limits),
+    },
+    Route {
         method: "POST",
         path: "/v1/streams/{stream}/reports",
         access: Access::Token(Scope::Write),

@@ -113,3 +113,20 @@ mod tests {
         );
     }
 }
+
+/// `GET /v1/limits`: the bounds a records request must keep, so a client
+/// can fill its arrays up to them (`quire send` does) instead of guessing.
+#[derive(Debug, Serialize)]
+pub struct RecordLimits {
+    pub max_body_bytes: usize,
+    pub max_record_bytes: usize,
+    pub max_records_per_request: usize,
+}
+
+pub async fn get_limits(State(state): State<AppState>) -> Json<RecordLimits> {
+    Json(RecordLimits {
+        max_body_bytes: state.limits.max_body_bytes,
+        max_record_bytes: state.limits.max_record_bytes,
+        max_records_per_request: state.limits.max_records_per_request,
+    })
+}
