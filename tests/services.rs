@@ -305,6 +305,11 @@ pub struct ApiProcess {
 }
 
 impl ApiProcess {
+    /// The process id (benchmarks read its CPU time from `/proc`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `Some(exit status)` once the process has exited, `None` while it runs.
     pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
         self.child.try_wait().expect("try_wait")

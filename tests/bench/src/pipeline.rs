@@ -12,6 +12,15 @@
 //!    completed report;
 //! 4. the ceilings: plain idempotent produce (acks=all, no transactions) and
 //!    a plain consume of the same record bytes, on 12 partitions.
+//!
+//! Every scenario also gives the CPU time (user + system, from
+//! `/proc/<pid>/stat`) the producer API and the report generator spent per
+//! record: on 2 shared cores a far steadier figure than the wall time. The
+//! whole sequence runs `--runs` times (3 by default); the table shows each
+//! run and the last line the medians. The ceilings are measured the same
+//! way in every run, on a topic of their own created for it: the consume
+//! ceiling reads what the produce ceiling wrote moments before, so its data
+//! is in the page cache (as the worker's is in the end to end scenario).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
@@ -52,12 +61,59 @@ pub struct PipelineArgs {
     /// rather than hang.
     #[arg(long, default_value_t = 300)]
     timeout_secs: u64,
+    /// Times the whole sequence runs; the last line gives the medians.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    runs: u64,
 }
 
 struct Row {
     name: &'static str,
     records: usize,
     seconds: f64,
+    /// CPU time of the producer API during the scenario, if it ran.
+    api_cpu: Option<Duration>,
+    /// CPU time of the report generator during the scenario, if it ran.
+    worker_cpu: Option<Duration>,
+}
+
+/// CPU time (user + system) process `pid` has used so far, from
+/// `/proc/<pid>/stat` (fields 14 and 15, in clock ticks).
+fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces: count from its ')'.
+    let after = &stat[stat.rfind(')').context("no ')' in /proc/<pid>/stat")? + 1..];
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    ensure!(fields.len() > 12, "short /proc/{pid}/stat: {stat}");
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    Ok(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second()?))
+}
+
+/// `getconf CLK_TCK` (100 on Linux here), asked once.
+fn clock_ticks_per_second() -> anyhow::Result<f64> {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    if let Some(ticks) = TICKS.get() {
+        return Ok(*ticks);
+    }
+    let output = Command::new("getconf").arg("CLK_TCK").output()?;
+    let ticks: f64 = String::from_utf8_lossy(&output.stdout).trim().parse()?;
+    ensure!(ticks > 0.0, "getconf CLK_TCK answered {ticks}");
+    Ok(*TICKS.get_or_init(|| ticks))
+}
+
+/// CPU microseconds per record.
+fn per_record(cpu: Duration, records: usize) -> f64 {
+    cpu.as_secs_f64() * 1e6 / records as f64
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[middle]
+    } else {
+        (values[middle - 1] + values[middle]) / 2.0
+    }
 }
 
 impl Row {
@@ -157,13 +213,28 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
         args.array,
         workload.requests.len()
     );
+    let mut runs: Vec<Vec<Row>> = Vec::new();
+    for run in 1..=args.runs {
+        eprintln!("run {run} of {}", args.runs);
+        runs.push(one_run(&args, &workload, limit).await?);
+    }
+    report(&runs);
+    Ok(())
+}
+
+/// The ceilings and the three scenarios, once.
+async fn one_run(
+    args: &PipelineArgs,
+    workload: &Arc<Workload>,
+    limit: Duration,
+) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
 
     // The ceilings first, on a topic of their own.
     {
         let topic = TestTopic::create("bench-pipeline-ceiling", args.ceiling_partitions).await;
         let name = topic.name.clone();
-        let produced = Arc::clone(&workload);
+        let produced = Arc::clone(workload);
         let seconds =
             tokio::task::spawn_blocking(move || ceiling_produce(&name, &produced.messages, limit))
                 .await??;
@@ -171,6 +242,8 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
             name: "ceiling produce (plain librdkafka, idempotent, acks=all)",
             records: args.records,
             seconds,
+            api_cpu: None,
+            worker_cpu: None,
         });
         eprintln!("  ceiling produce: {seconds:.3} s");
         let name = topic.name.clone();
@@ -178,10 +251,16 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
         let (read, seconds) =
             tokio::task::spawn_blocking(move || ceiling_consume(&name, partitions, records, limit))
                 .await??;
+        ensure!(
+            read == records,
+            "ceiling consume: read {read} of the {records} records produced"
+        );
         rows.push(Row {
             name: "ceiling consume (plain librdkafka)",
             records: read,
             seconds,
+            api_cpu: None,
+            worker_cpu: None,
         });
         eprintln!("  ceiling consume: {seconds:.3} s");
     }
@@ -190,11 +269,15 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     {
         let stack = TestStack::create("bench-pipeline").await;
         let api = start_api(&stack, limit).await?;
-        let seconds = ingest(&api.client, &workload, args.connections, limit).await?;
+        let api_before = cpu_time(api.pid)?;
+        let seconds = ingest(&api.client, workload, args.connections, limit).await?;
+        let api_cpu = cpu_time(api.pid)? - api_before;
         rows.push(Row {
             name: "ingest alone (HTTP -> API -> Kafka, no worker)",
             records: args.records,
             seconds,
+            api_cpu: Some(api_cpu),
+            worker_cpu: None,
         });
         eprintln!("  ingest alone: {seconds:.3} s");
         for stream in &workload.streams {
@@ -221,6 +304,9 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
             name: "worker alone (--drain: render, upload, commit)",
             records: args.records,
             seconds,
+            api_cpu: None,
+            // Its whole life, start-up and take-over included.
+            worker_cpu: Some(worker.cpu),
         });
         eprintln!(
             "  worker alone: {seconds:.3} s, {} reports",
@@ -265,8 +351,10 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
              completed a warm-up report in {:.3} s",
             spawned.elapsed().as_secs_f64()
         );
+        let api_before = cpu_time(api.pid)?;
+        let worker_before = cpu_time(worker.child.id())?;
         let started = Instant::now();
-        ingest(&api.client, &workload, args.connections, limit).await?;
+        ingest(&api.client, workload, args.connections, limit).await?;
         let ingested = started.elapsed().as_secs_f64();
         for stream in &workload.streams {
             api.client.cut(stream).await?;
@@ -293,6 +381,8 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let seconds = started.elapsed().as_secs_f64();
+        let api_cpu = cpu_time(api.pid)? - api_before;
+        let worker_cpu = cpu_time(worker.child.id())? - worker_before;
         let mut streams = workload.streams.clone();
         streams.push(warm_up);
         manifests.check_streams(&streams)?;
@@ -300,6 +390,8 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
             name: "end to end (HTTP -> completed reports in S3)",
             records: args.records,
             seconds,
+            api_cpu: Some(api_cpu),
+            worker_cpu: Some(worker_cpu),
         });
         eprintln!(
             "  end to end: {seconds:.3} s (ingest part {ingested:.3} s), {} reports",
@@ -312,32 +404,65 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
         );
     }
 
-    println!(
-        "{:<58} {:>9} {:>9} {:>12}",
-        "scenario", "records", "seconds", "records/s"
-    );
-    for row in &rows {
-        println!(
-            "{:<58} {:>9} {:>9.3} {:>12.0}",
-            row.name,
-            row.records,
-            row.seconds,
-            row.rate()
-        );
-    }
-    let rate = |prefix: &str| {
-        rows.iter()
-            .find(|row| row.name.starts_with(prefix))
-            .map(Row::rate)
-            .expect("scenario ran")
+    Ok(rows)
+}
+
+/// Each run's table, then one line of medians.
+fn report(runs: &[Vec<Row>]) {
+    let cpu = |cpu: Option<Duration>, records: usize| {
+        cpu.map(|cpu| format!("{:.2}", per_record(cpu, records)))
+            .unwrap_or_else(|| "-".to_owned())
     };
     println!(
-        "pipeline e2e_records_per_s={:.0} ingest_over_ceiling={:.2} worker_over_ceiling={:.2}",
-        rate("end to end"),
-        rate("ingest alone") / rate("ceiling produce"),
-        rate("worker alone") / rate("ceiling consume"),
+        "{:<4} {:<58} {:>9} {:>8} {:>10} {:>12} {:>12}",
+        "run", "scenario", "records", "seconds", "records/s", "api cpu-us/r", "wkr cpu-us/r"
     );
-    Ok(())
+    for (index, rows) in runs.iter().enumerate() {
+        for row in rows {
+            println!(
+                "{:<4} {:<58} {:>9} {:>8.3} {:>10.0} {:>12} {:>12}",
+                index + 1,
+                row.name,
+                row.records,
+                row.seconds,
+                row.rate(),
+                cpu(row.api_cpu, row.records),
+                cpu(row.worker_cpu, row.records),
+            );
+        }
+    }
+    let find = |rows: &'_ [Row], prefix: &str| -> usize {
+        rows.iter()
+            .position(|row| row.name.starts_with(prefix))
+            .expect("scenario ran")
+    };
+    let median_of = |value: &dyn Fn(&[Row]) -> f64| median(runs.iter().map(|rows| value(rows)).collect());
+    let rate = |prefix: &'static str| {
+        move |rows: &[Row]| rows[find(rows, prefix)].rate()
+    };
+    let e2e = median_of(&rate("end to end"));
+    let ingest_over_ceiling =
+        median_of(&|rows: &[Row]| rate("ingest alone")(rows) / rate("ceiling produce")(rows));
+    let worker_over_ceiling =
+        median_of(&|rows: &[Row]| rate("worker alone")(rows) / rate("ceiling consume")(rows));
+    let e2e_over_ceiling =
+        median_of(&|rows: &[Row]| rate("end to end")(rows) / rate("ceiling produce")(rows));
+    let worker_records_per_s = median_of(&rate("worker alone"));
+    let api_cpu = median_of(&|rows: &[Row]| {
+        let row = &rows[find(rows, "ingest alone")];
+        per_record(row.api_cpu.unwrap_or_default(), row.records)
+    });
+    let worker_cpu = median_of(&|rows: &[Row]| {
+        let row = &rows[find(rows, "worker alone")];
+        per_record(row.worker_cpu.unwrap_or_default(), row.records)
+    });
+    println!(
+        "pipeline runs={} e2e_records_per_s={e2e:.0} ingest_over_ceiling={ingest_over_ceiling:.2} \
+         worker_over_ceiling={worker_over_ceiling:.2} api_cpu_us_per_record={api_cpu:.2} \
+         worker_cpu_us_per_record={worker_cpu:.2} worker_records_per_s={worker_records_per_s:.0} \
+         e2e_over_ceiling={e2e_over_ceiling:.2}",
+        runs.len()
+    );
 }
 
 /// Sends every request of `workload`, `connections` at a time; the seconds
@@ -508,24 +633,22 @@ pub(crate) fn ceiling_consume(
         assignment.add_partition_offset(topic, partition, Offset::Beginning)?;
     }
     consumer.assign(&assignment)?;
-    let joined = Instant::now();
-    let mut started = None;
+    // Timed from the assignment to the last record, every record counted
+    // (earlier this was timed from the first record's arrival and left that
+    // one out: 999,999 of 1,000,000, and a rate that swung with how long
+    // the first fetch took).
+    let started = Instant::now();
     let mut read = 0;
-    while read < records - 1 {
+    while read < records {
         ensure!(
-            joined.elapsed() < limit,
+            started.elapsed() < limit,
             "ceiling consume stalled at {read} of {records}"
         );
         if let Some(message) = consumer.poll(Duration::from_millis(100)) {
             message?;
-            if started.is_none() {
-                started = Some(Instant::now());
-            } else {
-                read += 1;
-            }
+            read += 1;
         }
     }
-    let started = started.ok_or_else(|| anyhow!("no message was read"))?;
     Ok((read, started.elapsed().as_secs_f64()))
 }
 
@@ -537,6 +660,7 @@ async fn start_api(stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
         .await
         .map_err(|error| anyhow!(error))?;
     Ok(Api {
+        pid: process.pid(),
         client: ApiClient {
             base: process.base.clone(),
             http: reqwest::Client::builder()
@@ -560,6 +684,10 @@ fn spawn_worker(stack: &TestStack, replica: &str, drain: bool) -> anyhow::Result
 struct Service {
     child: Child,
     name: &'static str,
+    /// Its CPU time when last looked at (just before it was reaped, once
+    /// it has exited: an exited child's `/proc` entry holds its final
+    /// times until it is reaped).
+    cpu: Duration,
 }
 
 impl Service {
@@ -567,11 +695,15 @@ impl Service {
         Ok(Service {
             child: command.spawn().with_context(|| format!("start {name}"))?,
             name,
+            cpu: Duration::ZERO,
         })
     }
 
     /// `Some(exit code)` once the process has exited.
     fn exited(&mut self) -> anyhow::Result<Option<Option<i32>>> {
+        if let Ok(cpu) = cpu_time(self.child.id()) {
+            self.cpu = cpu;
+        }
         Ok(self.child.try_wait()?.map(|status| status.code()))
     }
 
@@ -618,6 +750,7 @@ struct ApiClient {
 /// The producer API: a client and its process (killed when dropped).
 struct Api {
     client: ApiClient,
+    pid: u32,
     _process: ApiProcess,
 }
 
