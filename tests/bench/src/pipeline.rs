@@ -86,7 +86,9 @@ fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let fields: Vec<&str> = after.split_whitespace().collect();
     ensure!(fields.len() > 12, "short /proc/{pid}/stat: {stat}");
     let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    Ok(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second()?))
+    Ok(Duration::from_secs_f64(
+        ticks as f64 / clock_ticks_per_second()?,
+    ))
 }
 
 /// `getconf CLK_TCK` (100 on Linux here), asked once.
@@ -436,10 +438,9 @@ fn report(runs: &[Vec<Row>]) {
             .position(|row| row.name.starts_with(prefix))
             .expect("scenario ran")
     };
-    let median_of = |value: &dyn Fn(&[Row]) -> f64| median(runs.iter().map(|rows| value(rows)).collect());
-    let rate = |prefix: &'static str| {
-        move |rows: &[Row]| rows[find(rows, prefix)].rate()
-    };
+    let median_of =
+        |value: &dyn Fn(&[Row]) -> f64| median(runs.iter().map(|rows| value(rows)).collect());
+    let rate = |prefix: &'static str| move |rows: &[Row]| rows[find(rows, prefix)].rate();
     let e2e = median_of(&rate("end to end"));
     let ingest_over_ceiling =
         median_of(&|rows: &[Row]| rate("ingest alone")(rows) / rate("ceiling produce")(rows));
