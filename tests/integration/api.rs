@@ -603,6 +603,14 @@ async fn the_cli_sends_cuts_and_gets_and_a_resumed_send_is_not_doubled() {
     let _ = std::fs::remove_dir_all(&directory);
 }
 
+/// Records 0..count of `stream` as NDJSON, one line each.
+fn ndjson(stream: &str, count: u64) -> String {
+    records(stream, 0, count)
+        .iter()
+        .map(|record| serde_json::to_string(record).unwrap() + "\n")
+        .collect()
+}
+
 #[tokio::test]
 async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
     let stack = TestStack::create("api-limits").await;
@@ -626,10 +634,7 @@ async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
     std::fs::create_dir_all(&directory).unwrap();
     let stream = unique("limits");
     let file = directory.join("records.ndjson");
-    let text: String = records(&stream, 0, 250)
-        .iter()
-        .map(|record| serde_json::to_string(record).unwrap() + "\n")
-        .collect();
+    let text = ndjson(&stream, 250);
     std::fs::write(&file, &text).unwrap();
     let (code, stdout, stderr) = quire(
         &api,
@@ -648,11 +653,7 @@ async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
         .sum::<usize>();
     let small = unique("limits-small");
     let small_file = directory.join("small.ndjson");
-    let small_text: String = records(&small, 0, 30)
-        .iter()
-        .map(|record| serde_json::to_string(record).unwrap() + "\n")
-        .collect();
-    std::fs::write(&small_file, &small_text).unwrap();
+    std::fs::write(&small_file, ndjson(&small, 30)).unwrap();
     let (code, stdout, stderr) = quire(
         &api,
         &[

@@ -42,7 +42,6 @@ pub struct Accepted {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 pub struct Limits {
     pub max_body_bytes: u64,
-    pub max_record_bytes: u64,
     pub max_records_per_request: u64,
 }
 
@@ -358,6 +357,29 @@ pub fn retry_line(error: &CliError, attempt: u32, retries: u32, pause: Duration)
     format!("{error}{announced}; retry {attempt} of {retries} in {pause:?} (same Idempotency-Key)")
 }
 
+/// Runs `request` until it succeeds, fails in a way [`is_retryable`] does
+/// not cover, or `retries` retries were made; before each retry it prints
+/// [`retry_line`] and waits [`retry_pause`]. The caller's request carries
+/// its own Idempotency-Key (or only reads).
+pub async fn with_retries<T, F, Fut>(retries: u32, mut request: F) -> Result<T, CliError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, CliError>>,
+{
+    let mut attempt = 0u32;
+    loop {
+        match request().await {
+            Err(error) if attempt < retries && is_retryable(&error) => {
+                attempt += 1;
+                let pause = retry_pause(&error, attempt);
+                eprintln!("{}", retry_line(&error, attempt, retries, pause));
+                tokio::time::sleep(pause).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Longest pause between two attempts.
 pub const MAX_RETRY_PAUSE: Duration = Duration::from_secs(30);
 
@@ -405,7 +427,7 @@ mod tests {
         )));
     }
 
-    /// A request to `port` on loopback, as the CLI sends it, and its error.
+    /// A POST to `url`, as the CLI sends it, and the error it must end in.
     async fn transport_error(url: String) -> CliError {
         let source = reqwest::Client::new()
             .post(&url)

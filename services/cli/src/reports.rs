@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::cli::{CutArgs, GetArgs, GlobalOptions, ListArgs, ReportArgs, WatchArgs};
-use crate::client::{ApiClient, is_retryable, retry_line, retry_pause};
+use crate::client::{ApiClient, with_retries};
 use crate::error::CliError;
 use crate::output::Output;
 use crate::send::human_bytes;
@@ -30,18 +30,7 @@ pub async fn cut(
         .idempotency_key
         .clone()
         .unwrap_or_else(|| format!("quire-cut-{}", uuid::Uuid::new_v4().simple()));
-    let mut attempt = 0u32;
-    let answer = loop {
-        match client.cut(&arguments.stream, &key).await {
-            Err(error) if attempt < arguments.retries && is_retryable(&error) => {
-                attempt += 1;
-                let pause = retry_pause(&error, attempt);
-                eprintln!("{}", retry_line(&error, attempt, arguments.retries, pause));
-                tokio::time::sleep(pause).await;
-            }
-            other => break other?,
-        }
-    };
+    let answer = with_retries(arguments.retries, || client.cut(&arguments.stream, &key)).await?;
     Output::new(global.json).result(&answer, || text_field(&answer, "report_id").to_owned());
     Ok(())
 }

@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::cli::{GlobalOptions, SendArgs};
-use crate::client::{Accepted, ApiClient, is_retryable, retry_line, retry_pause};
+use crate::client::{Accepted, ApiClient, is_retryable, retry_line, retry_pause, with_retries};
 use crate::error::{CliError, EXIT_INTERRUPTED};
 use crate::output::Output;
 use crate::records::RecordReader;
@@ -356,19 +356,10 @@ async fn array_bounds(client: &ApiClient, arguments: &SendArgs) -> Result<(u64, 
     {
         return Ok((array_size, max_request_bytes));
     }
-    let mut attempt = 0u32;
-    let limits = loop {
-        match client.limits().await {
-            Ok(limits) => break Some(limits),
-            Err(CliError::Api(api)) if api.status == reqwest::StatusCode::NOT_FOUND => break None,
-            Err(error) if attempt < arguments.retries && is_retryable(&error) => {
-                attempt += 1;
-                let pause = retry_pause(&error, attempt);
-                eprintln!("{}", retry_line(&error, attempt, arguments.retries, pause));
-                tokio::time::sleep(pause).await;
-            }
-            Err(error) => return Err(error),
-        }
+    let limits = match with_retries(arguments.retries, || client.limits()).await {
+        Ok(limits) => Some(limits),
+        Err(CliError::Api(api)) if api.status == reqwest::StatusCode::NOT_FOUND => None,
+        Err(error) => return Err(error),
     };
     let array_size = arguments.array_size.unwrap_or(match limits {
         Some(limits) => limits.max_records_per_request.clamp(1, MAX_ARRAY_SIZE),
@@ -381,10 +372,11 @@ async fn array_bounds(client: &ApiClient, arguments: &SendArgs) -> Result<(u64, 
     Ok((array_size, max_request_bytes))
 }
 
-/// Sends one array under its `Idempotency-Key`; a 429 or 503 (nothing
-/// published), or a 409 for the key's first request still in progress, is
-/// retried with the same key after the API's `Retry-After` or a growing
-/// pause (bounded), shown on the progress bar.
+/// Sends one array under its `Idempotency-Key`; what [`is_retryable`]
+/// covers (a 429 or 503, a 409 for the key's first request still in
+/// progress, a lost connection) is retried with the same key after the
+/// API's `Retry-After` or a growing pause (bounded), shown on the progress
+/// bar, and not once ctrl-c was pressed (unlike [`with_retries`]).
 async fn send_batch(
     client: &ApiClient,
     arguments: &SendArgs,
