@@ -44,6 +44,9 @@ pub struct Launch {
     drain: bool,
     /// Where the log goes instead of stderr, and its filter.
     log: Option<(PathBuf, String)>,
+    /// The `RUST_LOG` filter of a monitored worker, instead of
+    /// `QUIRE_TEST_SERVICE_LOG` (`warn`).
+    filter: Option<String>,
 }
 
 impl TestStack {
@@ -91,6 +94,7 @@ impl Launch {
             variables: Vec::new(),
             drain: false,
             log: None,
+            filter: None,
         }
     }
 
@@ -98,6 +102,13 @@ impl Launch {
     /// file `path` instead of the test's stderr (to read what it logged).
     pub fn log_to(mut self, path: &std::path::Path, filter: &str) -> Launch {
         self.log = Some((path.to_owned(), filter.to_owned()));
+        self
+    }
+
+    /// Logs a monitored worker at the `RUST_LOG` filter `filter` (still to
+    /// the test's stderr), for a test whose failure needs its story.
+    pub fn log_filter(mut self, filter: &str) -> Launch {
+        self.filter = Some(filter.to_owned());
         self
     }
 
@@ -220,7 +231,10 @@ impl Launch {
                 "RUST_LOG",
                 format!(
                     "{},report_generator::monitoring=info",
-                    std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
+                    self.filter
+                        .clone()
+                        .unwrap_or_else(|| std::env::var("QUIRE_TEST_SERVICE_LOG")
+                            .unwrap_or_else(|_| "warn".into()))
                 ),
             )
             .stderr(Stdio::piped());

@@ -102,12 +102,62 @@ fn accepted_by_stream(senders: &[Sent]) -> BTreeMap<String, Vec<u64>> {
         .collect()
 }
 
+/// The last stable offset and the high watermark of every partition of the
+/// design's topics, for a failure's message:
+/// which of them a transaction holds back.
+fn topic_offsets(stack: &TestStack) -> String {
+    let mut out = Vec::new();
+    for spec in quire_queue::design_topics(&stack.topics, 1) {
+        let topic = &spec.name;
+        let offsets: Vec<String> = (0..spec.partitions)
+            .map(|partition| {
+                let (stable, high) = quire_tests::stable_and_high(&stack.kafka, topic, partition);
+                if stable == high {
+                    format!("{partition}:{high}")
+                } else {
+                    format!("{partition}:{stable}<{high}")
+                }
+            })
+            .collect();
+        out.push(format!("{topic} [{}]", offsets.join(" ")));
+    }
+    format!("offsets (stable<high where held back): {}", out.join("; "))
+}
+
+/// The worker's `/readyz` answer and its counters (no histogram), for a
+/// failure's message: what it was doing.
+async fn worker_state(monitor: Option<&str>) -> String {
+    let Some(base) = monitor else {
+        return "not monitored".into();
+    };
+    let http = reqwest::Client::new();
+    let mut parts = Vec::new();
+    for path in ["readyz", "metrics"] {
+        let text = match http.get(format!("{base}/{path}")).send().await {
+            Ok(response) => response
+                .text()
+                .await
+                .unwrap_or_else(|error| error.to_string()),
+            Err(error) => error.to_string(),
+        };
+        let kept: Vec<&str> = text
+            .lines()
+            .filter(|line| {
+                !line.starts_with('#') && !line.contains("_bucket{") && !line.contains("_bucket ")
+            })
+            .collect();
+        parts.push(format!("/{path}: {}", kept.join(" | ")));
+    }
+    parts.join("; ")
+}
+
 /// Waits until the report events account for every accepted record of every
 /// stream, then reads everything back. Fails at once if the worker exits:
 /// it must resume by itself.
 async fn wait_until_reported(
     stack: &TestStack,
     worker: &mut WorkerProcess,
+    monitor: Option<&str>,
     sent: &BTreeMap<String, Vec<u64>>,
     limit: Duration,
 ) -> Observed {
@@ -133,14 +183,17 @@ async fn wait_until_reported(
                 return observed;
             }
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for every accepted record to be reported: reported {reported:?}, \
-             accepted {:?}",
-            sent.iter()
-                .map(|(stream, sequence)| (stream, sequence.len()))
-                .collect::<Vec<_>>()
-        );
+        if Instant::now() >= deadline {
+            panic!(
+                "timed out waiting for every accepted record to be reported: reported {reported:?}, \
+                 accepted {:?}; {}; worker: {}",
+                sent.iter()
+                    .map(|(stream, sequence)| (stream, sequence.len()))
+                    .collect::<Vec<_>>(),
+                topic_offsets(stack),
+                worker_state(monitor).await
+            );
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
@@ -315,7 +368,7 @@ async fn kafka_stopped_and_restarted_mid_run_loses_and_doubles_nothing() {
     for stream in sent.keys() {
         api.cut(stream).await;
     }
-    let observed = wait_until_reported(&stack, &mut worker, &sent, LONG).await;
+    let observed = wait_until_reported(&stack, &mut worker, None, &sent, LONG).await;
     observed.assert_exactly_once(&sent);
     assert!(
         worker.exited().is_none(),
@@ -450,7 +503,7 @@ async fn s3_errors_delays_resets_and_an_outage_damage_no_report_and_lose_nothing
         api.cut(stream).await;
     }
 
-    wait_until_reported(&stack, &mut worker, &sent, LONG).await;
+    wait_until_reported(&stack, &mut worker, None, &sent, LONG).await;
     // Aborts run as the worker gives up on a document; let the last finish.
     assert!(
         stack
@@ -808,7 +861,10 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
     let launch = stack.api();
     let prefix = launch.settings.api.transactional_id_prefix.clone();
     let api = Arc::new(launch.start_api().await);
-    let (mut worker, base) = stack.worker("w1").spawn_monitored();
+    let (mut worker, base) = stack
+        .worker("w1")
+        .log_filter("warn,report_generator=info,report_generator::worker=debug,quire_queue=info")
+        .spawn_monitored();
     let stop = Arc::new(AtomicBool::new(false));
     let streams: Vec<String> = (0..3)
         .map(|index| stream_name(&format!("b3{index}")))
@@ -826,9 +882,12 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
             ))
         })
         .collect();
+    // Sampled until everything is reported: a worker that resumes only
+    // after the senders stopped still shows when.
+    let sampled = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn(sample_worker_records(
         format!("{base}/metrics"),
-        stop.clone(),
+        sampled.clone(),
     ));
     tokio::time::sleep(Duration::from_secs(5)).await;
 
@@ -855,7 +914,6 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
     for sender in senders {
         results.push(sender.await.expect("sender task"));
     }
-    let samples = sampler.await.expect("sampler task");
     let attempts: Vec<&Attempt> = results.iter().flat_map(|sent| &sent.attempts).collect();
     let (coordinator_window, coordinator_refusals) = acceptance_gap(&attempts, coordinator_killed);
     let (leader_window, leader_refusals) = acceptance_gap(&attempts, leader_killed);
@@ -872,10 +930,20 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
         })
         .collect();
     let no_answer = unanswered_at.len();
+    assert_eq!(
+        no_answer, 0,
+        "requests got no answer within {CLIENT_TIMEOUT:?} (sent at {unanswered_at:?} after the \
+         coordinator kill)"
+    );
     let sent = accepted_by_stream(&results);
+    for stream in sent.keys() {
+        api.cut(stream).await;
+    }
+    let observed = wait_until_reported(&stack, &mut worker, Some(&base), &sent, LONG).await;
+    sampled.store(true, Ordering::Release);
+    let samples = sampler.await.expect("sampler task");
     quire_tests::figures(&format!(
-        "three brokers: {} attempts, {} records accepted, {no_answer} without an answer \
-         (sent at {unanswered_at:?} after the coordinator kill); \
+        "three brokers: {} attempts, {} records accepted, every request answered; \
          coordinator (node {coordinator}) killed: no array accepted for {coordinator_window:?} \
          ({coordinator_refusals} answered 503), worker stalled {:?}; \
          records leader (node {leader}) killed: no array accepted for {leader_window:?} \
@@ -885,15 +953,6 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
         progress_gap(&samples, coordinator_killed),
         progress_gap(&samples, leader_killed),
     ));
-    assert_eq!(
-        no_answer, 0,
-        "requests got no answer within {CLIENT_TIMEOUT:?}"
-    );
-
-    for stream in sent.keys() {
-        api.cut(stream).await;
-    }
-    let observed = wait_until_reported(&stack, &mut worker, &sent, LONG).await;
     observed.assert_exactly_once(&sent);
     // Nothing left behind a hanging transaction: a transaction in flight
     // (a periodic release) may hold a partition for a moment, never past
