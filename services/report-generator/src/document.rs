@@ -62,6 +62,16 @@ pub struct OpenDocument {
     scratch: Vec<u8>,
 }
 
+/// A record to append.
+#[derive(Clone, Copy)]
+pub enum RecordInput<'a> {
+    /// Parsed from its text.
+    Parsed(&'a serde_json::Value),
+    /// Its fields' elements already written by `quire_xml::render_fields`
+    /// from `text`.
+    Rendered { text: &'a [u8], fields: &'a [u8] },
+}
+
 /// What became of a record handed to [`OpenDocument::append`].
 #[derive(Debug)]
 pub enum Appended {
@@ -224,13 +234,36 @@ impl OpenDocument {
     /// answer is [`Appended::Done`].
     pub async fn append(
         &mut self,
-        record: &serde_json::Value,
+        record: RecordInput<'_>,
         offset: i64,
         time_ms: Option<i64>,
         limit: u64,
     ) -> Result<Appended, WorkerError> {
         self.scratch.clear();
-        if let Err(error) = self.renderer.record(&mut self.scratch, record) {
+        let parsed;
+        let value = match record {
+            RecordInput::Rendered { fields, .. } if self.renderer.renders_fields_verbatim() => {
+                self.renderer.record_of_fields(&mut self.scratch, fields);
+                None
+            }
+            // Attributes or renames: the tree walk decides where each
+            // field goes. The text parsed whole once already.
+            RecordInput::Rendered { text, .. } => match serde_json::from_slice(text) {
+                Ok(value) => {
+                    parsed = value;
+                    Some(&parsed)
+                }
+                Err(_) => {
+                    return Ok(Appended::Unrenderable(RenderError::NotAnObject {
+                        found: "text that does not parse",
+                    }));
+                }
+            },
+            RecordInput::Parsed(value) => Some(value),
+        };
+        if let Some(value) = value
+            && let Err(error) = self.renderer.record(&mut self.scratch, value)
+        {
             return Ok(Appended::Unrenderable(error));
         }
         // Under gzip the record's compressed bytes are not known yet; its

@@ -26,7 +26,7 @@ use quire_s3::{S3Bucket, UploadPolicy};
 use tokio_util::sync::CancellationToken;
 
 use crate::WorkerError;
-use crate::document::{Appended, OpenDocument};
+use crate::document::{Appended, OpenDocument, RecordInput};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
@@ -104,6 +104,9 @@ struct Outbox {
     /// order: a transaction the group refused is carried to the next array
     /// without the partitions revoked meanwhile.
     sources: Sources,
+    /// Where each record's fields are rendered from its text
+    /// (`quire_xml::render_fields`), reused from record to record.
+    fields: Vec<u8>,
 }
 
 #[derive(Default)]
@@ -776,18 +779,34 @@ async fn process_message(
                 // Refused by name, never misread as the version we know.
                 return dead_letter(context, message, &reason, outbox);
             }
-            let record: serde_json::Value = match serde_json::from_slice(payload) {
-                Ok(record) => record,
-                Err(error) => {
-                    return dead_letter(
-                        context,
-                        message,
-                        &format!("record is not JSON: {error}"),
-                        outbox,
-                    );
-                }
+            // Nearly every record renders straight from its text; the rest
+            // are parsed first, which renders them or says why not.
+            let mut fields = std::mem::take(&mut outbox.fields);
+            fields.clear();
+            let appended = if quire_xml::render_fields(&mut fields, payload) {
+                let record = RecordInput::Rendered {
+                    text: payload,
+                    fields: &fields,
+                };
+                append_record(context, state, &stream, message, record, outbox).await
+            } else {
+                let record: serde_json::Value = match serde_json::from_slice(payload) {
+                    Ok(record) => record,
+                    Err(error) => {
+                        outbox.fields = fields;
+                        return dead_letter(
+                            context,
+                            message,
+                            &format!("record is not JSON: {error}"),
+                            outbox,
+                        );
+                    }
+                };
+                let record = RecordInput::Parsed(&record);
+                append_record(context, state, &stream, message, record, outbox).await
             };
-            append_record(context, state, &stream, message, &record, outbox).await?;
+            outbox.fields = fields;
+            appended?;
         }
         MessageKind::Cut => {
             if state.already_reported(&stream, message.offset) {
@@ -854,7 +873,7 @@ async fn append_record(
     state: &mut PartitionState,
     stream: &StreamName,
     message: &InMessage,
-    record: &serde_json::Value,
+    record: RecordInput<'_>,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
     let limit = context.record_limit;

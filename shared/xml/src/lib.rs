@@ -106,14 +106,18 @@
 //! ```
 
 mod check;
+mod clean;
 mod duplicates;
 mod names;
 mod render;
+mod stream;
 
 pub use check::{FieldPart, ForbiddenCharacter, MAX_NESTING_DEPTH, RenderError, check_record};
+pub use clean::is_clean_record;
 pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
 pub use render::{
     DocumentRenderer, NESTED_ARRAY_ITEM_ELEMENT, Summary, XML_SCHEMA_INSTANCE_NAMESPACE,
     check_definition,
 };
+pub use stream::render_fields;

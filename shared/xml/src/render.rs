@@ -154,6 +154,29 @@ impl DocumentRenderer {
         Ok(())
     }
 
+    /// Whether [`crate::render_fields`] writes this renderer's record
+    /// content: the definition names no attribute and no rename, so a
+    /// field's element is its encoded key wherever it is.
+    pub fn renders_fields_verbatim(&self) -> bool {
+        self.named_top_level_fields.is_empty()
+    }
+
+    /// Appends one record element and a newline around `fields`, the
+    /// elements [`crate::render_fields`] wrote for it: byte for byte what
+    /// [`record`](Self::record) writes for the same record, when
+    /// [`renders_fields_verbatim`](Self::renders_fields_verbatim).
+    pub fn record_of_fields(&self, out: &mut Vec<u8>, fields: &[u8]) {
+        debug_assert!(self.renders_fields_verbatim());
+        out.extend_from_slice(&self.record_start);
+        if fields.is_empty() {
+            out.extend_from_slice(b"/>\n");
+        } else {
+            out.push(b'>');
+            out.extend_from_slice(fields);
+            out.extend_from_slice(&self.record_end);
+        }
+    }
+
     /// Writes the summary element and the root end tag: the document is
     /// complete after this.
     pub fn finish(&self, out: &mut Vec<u8>, summary: &Summary<'_>) {

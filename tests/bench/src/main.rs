@@ -2,12 +2,13 @@
 //! in the same run, prints a table, and ends with one machine-readable line.
 //!
 //! Run against the local stack: `eval "$(deploy/local/stack env)"`, then
-//! `cargo run --release -p quire-bench -- <queue|writer|pipeline|rebalance|takeover>`.
+//! `cargo run --release -p quire-bench -- <queue|writer|pipeline|rebalance|takeover|records>`.
 
 mod child;
 mod pipeline;
 mod queue;
 mod rebalance;
+mod records;
 mod takeover;
 mod writer;
 
@@ -32,6 +33,8 @@ enum Command {
     Rebalance(rebalance::RebalanceArgs),
     /// Take-over read time after 100,000 watermark writes, before and after compaction.
     Takeover(takeover::TakeoverArgs),
+    /// Per-record CPU of the API's check and the worker's rendering, fast paths against what they replace.
+    Records(records::RecordsArgs),
     /// One scenario in a child process of its own (used by the others, so
     /// each peak resident memory is that scenario's alone).
     #[command(hide = true)]
@@ -53,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Command::Pipeline(args) => runtime.block_on(pipeline::run(args)),
         Command::Rebalance(args) => runtime.block_on(rebalance::run(args)),
         Command::Takeover(args) => runtime.block_on(takeover::run(args)),
+        Command::Records(args) => records::run(args),
         Command::Scenario { name, args } => runtime.block_on(child::run_scenario(&name, &args)),
     }
 }

@@ -78,7 +78,7 @@ struct Row {
 
 /// CPU time (user + system) process `pid` has used so far, from
 /// `/proc/<pid>/stat` (fields 14 and 15, in clock ticks).
-fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+pub(crate) fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
     // The command name (field 2) may hold spaces: count from its ')'.
