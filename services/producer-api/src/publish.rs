@@ -112,6 +112,9 @@ impl Publisher {
             max_bytes: GroupCommitLimits::default()
                 .max_bytes
                 .max(api.max_body_bytes),
+            // No request waits through more than one failing transaction:
+            // past the publish timeout it is answered 503 unsent.
+            max_wait: Some(Duration::from_millis(api.publish_timeout_ms.max(1))),
             ..GroupCommitLimits::default()
         };
         let observed = Arc::clone(&metrics);

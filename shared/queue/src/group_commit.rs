@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::producer::Followers;
@@ -25,6 +26,12 @@ pub struct GroupCommitLimits {
     /// Arrays that may wait for the next transaction; callers beyond that
     /// wait for room (the caller decides whether to time out).
     pub queue_depth: usize,
+    /// An array that has waited longer than this for its transaction to
+    /// begin is answered [`QueueError::TransactionAborted`] without being
+    /// sent (nothing of it published): while Kafka is away each
+    /// transaction takes its whole send timeout, and a caller should not
+    /// wait through several. `None`: no bound.
+    pub max_wait: Option<Duration>,
 }
 
 impl Default for GroupCommitLimits {
@@ -33,6 +40,7 @@ impl Default for GroupCommitLimits {
             max_messages: 50_000,
             max_bytes: 64 * 1024 * 1024,
             queue_depth: 1024,
+            max_wait: None,
         }
     }
 }
@@ -54,6 +62,7 @@ pub struct TransactionReport {
 pub type TransactionObserver = Arc<dyn Fn(&TransactionReport) + Send + Sync>;
 
 struct Request {
+    queued_at: Instant,
     messages: Vec<OutMessage>,
     followers: Option<Followers>,
     reply: oneshot::Sender<Result<Vec<MessageId>, QueueError>>,
@@ -104,6 +113,7 @@ impl ArrayEnqueuer {
         let (reply, answer) = oneshot::channel();
         self.requests
             .send(Request {
+                queued_at: Instant::now(),
                 messages,
                 followers,
                 reply,
@@ -121,11 +131,17 @@ async fn run_group_commit(
     observer: Option<TransactionObserver>,
 ) {
     while let Some(first) = receiver.recv().await {
+        let Some(first) = in_time(first, &limits) else {
+            continue;
+        };
         let mut group = vec![first];
         let mut messages = group[0].messages.len();
         let mut bytes = payload_bytes(&group[0].messages);
         while messages < limits.max_messages && bytes < limits.max_bytes {
             let Ok(next) = receiver.try_recv() else { break };
+            let Some(next) = in_time(next, &limits) else {
+                continue;
+            };
             messages += next.messages.len();
             bytes += payload_bytes(&next.messages);
             group.push(next);
@@ -194,6 +210,28 @@ async fn run_group_commit(
                 }
             }
         }
+        // Everyone is answered: now the failed transaction's abort, if
+        // one was put off, before the next group begins.
+        producer.finish_pending_abort().await;
+    }
+}
+
+/// The request, unless it waited past `limits.max_wait` for a transaction
+/// to begin: then it is answered as aborted (nothing of it was sent).
+fn in_time(request: Request, limits: &GroupCommitLimits) -> Option<Request> {
+    let waited = request.queued_at.elapsed();
+    match limits.max_wait {
+        Some(max_wait) if waited > max_wait => {
+            tracing::debug!(
+                waited_ms = waited.as_millis() as u64,
+                "array waited too long for a transaction"
+            );
+            let _caller_may_be_gone = request.reply.send(Err(QueueError::TransactionAborted(
+                KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+            )));
+            None
+        }
+        _ => Some(request),
     }
 }
 

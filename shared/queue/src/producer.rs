@@ -132,6 +132,11 @@ struct Inner {
     release: Option<Release>,
     /// A release of the producer's partitions is due (a failed one).
     release_pending: AtomicBool,
+    /// A transaction failed before its commit was asked for and its abort
+    /// was put off until its callers had their answer (see
+    /// [`TransactionalProducer::finish_pending_abort`]); whoever takes the
+    /// transaction lock next aborts it first.
+    abort_pending: AtomicBool,
 }
 
 /// Messages written in a transaction after its array's, made from where the
@@ -186,6 +191,7 @@ impl TransactionalProducer {
             transaction_lock: Mutex::new(()),
             fatal: AtomicBool::new(false),
             release_pending: AtomicBool::new(options.release.is_some()),
+            abort_pending: AtomicBool::new(false),
             release: options.release,
         });
         let producer = TransactionalProducer { inner };
@@ -242,7 +248,9 @@ impl TransactionalProducer {
     /// [`QueueError::CommitOutcomeUnknown`] means the commit was asked for
     /// and may have happened: the caller must not say it failed.
     pub async fn transact(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
-        self.transact_then(messages, None).await
+        let outcome = self.transact_then(messages, None).await;
+        self.finish_pending_abort().await;
+        outcome
     }
 
     /// [`transact`](Self::transact), with `followers` written in the same
@@ -250,6 +258,13 @@ impl TransactionalProducer {
     /// made from the ids (an answer that names where the array went), and
     /// are visible exactly when the array is. The ids returned are those
     /// of `messages` alone.
+    ///
+    /// A transaction that fails before its commit is asked for returns at
+    /// once, its abort put off: nothing of it can become visible whatever
+    /// the abort does, so its callers need not wait for an abort that may
+    /// itself take the whole send timeout while Kafka is away. Call
+    /// [`finish_pending_abort`](Self::finish_pending_abort) once they are
+    /// answered; the next transaction does it first in any case.
     pub async fn transact_then(
         &self,
         messages: Vec<OutMessage>,
@@ -258,6 +273,22 @@ impl TransactionalProducer {
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || inner.transact_then_blocking(&messages, followers))
             .await?
+    }
+
+    /// Aborts the transaction [`transact_then`](Self::transact_then) left
+    /// failed, if any (bounded by the send timeout; an abort that does not
+    /// finish marks the producer unusable, as ever).
+    pub async fn finish_pending_abort(&self) {
+        if !self.inner.abort_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let inner = Arc::clone(&self.inner);
+        let _joined = tokio::task::spawn_blocking(move || {
+            let _one_transaction_at_a_time =
+                inner.transaction_lock.lock().expect("transaction lock");
+            inner.finish_pending_abort();
+        })
+        .await;
     }
 
     /// The blocking form, for callers already on a blocking thread.
@@ -293,13 +324,14 @@ impl Inner {
         offsets: Option<OffsetsInTransaction<'_>>,
     ) -> Result<Vec<MessageId>, QueueError> {
         let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
+        self.finish_pending_abort();
         if self.fatal.load(Ordering::Acquire) {
             return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
                 RDKafkaErrorCode::Fatal,
             )));
         }
         self.release_locked()?;
-        self.transact_locked(messages, offsets, None, self.send_timeout)
+        self.transact_locked(messages, offsets, None, self.send_timeout, false)
     }
 
     fn transact_then_blocking(
@@ -308,13 +340,14 @@ impl Inner {
         followers: Option<Followers>,
     ) -> Result<Vec<MessageId>, QueueError> {
         let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
+        self.finish_pending_abort();
         if self.fatal.load(Ordering::Acquire) {
             return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
                 RDKafkaErrorCode::Fatal,
             )));
         }
         self.release_locked()?;
-        self.transact_locked(messages, None, followers, self.send_timeout)
+        self.transact_locked(messages, None, followers, self.send_timeout, true)
     }
 
     fn release_is_due(&self) -> bool {
@@ -328,6 +361,8 @@ impl Inner {
     /// a release that failed would be aborted, and its ABORT marker would
     /// end a hanging transaction by throwing its records away.
     fn release_locked(&self) -> Result<(), QueueError> {
+        // A release is a transaction too: a put-off abort goes first.
+        self.finish_pending_abort();
         let Some(release) = &self.release else {
             return Ok(());
         };
@@ -344,7 +379,7 @@ impl Inner {
         self.release_pending.store(true, Ordering::Release);
         let started = Instant::now();
         self.wait_for_leaders(&release.messages, release.patience)?;
-        self.transact_locked(&release.messages, None, None, release.patience)?;
+        self.transact_locked(&release.messages, None, None, release.patience, false)?;
         self.release_pending.store(false, Ordering::Release);
         if let Some(on_release) = &release.on_release {
             on_release();
@@ -417,6 +452,7 @@ impl Inner {
         offsets: Option<OffsetsInTransaction<'_>>,
         followers: Option<Followers>,
         send_timeout: Duration,
+        defer_abort: bool,
     ) -> Result<Vec<MessageId>, QueueError> {
         if let Err(error) = self.producer.begin_transaction() {
             // begin is local: it fails only when the state is not what we
@@ -429,8 +465,8 @@ impl Inner {
             Ok(deliveries) => deliveries,
             Err(error) => {
                 // The commit was never asked for: nothing of this transaction
-                // can become visible, whatever the abort below does.
-                self.abort_after(&error);
+                // can become visible, whatever the abort does.
+                self.end_failed(&error, defer_abort);
                 return Err(error);
             }
         };
@@ -452,7 +488,7 @@ impl Inner {
                 Ok(ids) => followers(ids),
                 Err(error) => {
                     let error = QueueError::TransactionAborted(error.clone());
-                    self.abort_after(&error);
+                    self.end_failed(&error, defer_abort);
                     return Err(error);
                 }
             };
@@ -473,7 +509,7 @@ impl Inner {
                     Ok(())
                 });
             if let Err(error) = delivered {
-                self.abort_after(&error);
+                self.end_failed(&error, defer_abort);
                 return Err(error);
             }
         }
@@ -491,6 +527,24 @@ impl Inner {
                 Err(QueueError::CommitOutcomeUnknown { source, ids })
             }
             (Err(error), _) => Err(error),
+        }
+    }
+
+    /// Ends a transaction whose commit was never asked for: now, or (when
+    /// `defer`) by whoever next takes the transaction lock.
+    fn end_failed(&self, error: &QueueError, defer: bool) {
+        if defer && !matches!(error, QueueError::ProducerFatal(_)) {
+            self.abort_pending.store(true, Ordering::Release);
+        } else {
+            self.abort_after(error);
+        }
+    }
+
+    /// The abort put off by [`end_failed`](Self::end_failed), if any; the
+    /// caller holds the transaction lock.
+    fn finish_pending_abort(&self) {
+        if self.abort_pending.swap(false, Ordering::AcqRel) {
+            self.abort_after(&QueueError::TransactionAborted(KafkaError::Canceled));
         }
     }
 
