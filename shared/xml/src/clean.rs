@@ -14,17 +14,12 @@
 //! the depth limit). So the errors, and what is accepted, stay exactly as
 //! before; only the cost of a clean record changes.
 
-use std::borrow::Cow;
-use std::collections::HashSet;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
 use crate::check::{MAX_NESTING_DEPTH, first_forbidden_character};
-
-/// Objects with more keys than this are checked for repeats with a hash
-/// set; smaller ones (nearly all) by a scan, which allocates less.
-const SCAN_UP_TO: usize = 16;
+use crate::keys::{Key, KeySet};
 
 /// Whether the JSON text `text` is an object that passes, for certain,
 /// every check a record must pass: it parses, holds no repeated key and no
@@ -108,55 +103,16 @@ impl<'de> Visitor<'de> for Clean {
         let Some(below) = self.below() else {
             return Ok(false);
         };
-        let mut scanned: Vec<Cow<'de, str>> = Vec::new();
-        let mut hashed: HashSet<Cow<'de, str>> = HashSet::new();
+        let mut keys = KeySet::default();
         while let Some(key) = fields.next_key_seed(Key)? {
             if first_forbidden_character(&key).is_some() {
                 return Ok(false);
             }
-            let repeated = if hashed.is_empty() && scanned.len() < SCAN_UP_TO {
-                let repeated = scanned.contains(&key);
-                scanned.push(key);
-                repeated
-            } else {
-                hashed.extend(scanned.drain(..));
-                !hashed.insert(key)
-            };
-            if repeated || !fields.next_value_seed(below)? {
+            if keys.repeats(key) || !fields.next_value_seed(below)? {
                 return Ok(false);
             }
         }
         Ok(true)
-    }
-}
-
-/// A key, borrowed from the text unless it holds an escape (serde's own
-/// `Cow<str>` always copies).
-struct Key;
-
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Cow<'de, str>;
-
-    fn deserialize<D: de::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Key {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("a key")
-    }
-
-    fn visit_borrowed_str<E>(self, key: &'de str) -> Result<Self::Value, E> {
-        Ok(Cow::Borrowed(key))
-    }
-    fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(key.to_owned()))
     }
 }
 

@@ -108,6 +108,7 @@
 mod check;
 mod clean;
 mod duplicates;
+mod keys;
 mod names;
 mod render;
 mod stream;

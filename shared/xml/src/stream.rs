@@ -17,7 +17,6 @@
 //! the caller takes the tree walk, which renders it or says why not.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
 use std::fmt;
 use std::io::Write as _;
 use std::ops::Range;
@@ -26,16 +25,13 @@ use quick_xml::escape::partial_escape;
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
 use crate::check::{MAX_NESTING_DEPTH, first_forbidden_character};
+use crate::keys::{Key, KeySet};
 use crate::names::write_encoded_name;
 use crate::render::NESTED_ARRAY_ITEM_ELEMENT;
 
 /// serde_json's `arbitrary_precision` hands a number to a visitor as a map
 /// of one entry under this key, its value the number's text.
 const NUMBER_TOKEN: &str = "$serde_json::private::Number";
-
-/// Objects with more keys than this are checked for repeats with a hash
-/// set; smaller ones (nearly all) by a scan.
-const SCAN_UP_TO: usize = 16;
 
 /// Appends the elements of the fields of the JSON object `text` to `out`,
 /// as [`crate::DocumentRenderer::record`] writes them between the record's
@@ -98,8 +94,7 @@ fn write_fields<'de, A: MapAccess<'de>>(
     if !within_depth(depth) {
         return Ok(false);
     }
-    let mut scanned: Vec<Cow<'de, str>> = Vec::new();
-    let mut hashed: HashSet<Cow<'de, str>> = HashSet::new();
+    let mut keys = KeySet::default();
     let mut next = first;
     loop {
         let key = match next.take() {
@@ -120,15 +115,7 @@ fn write_fields<'de, A: MapAccess<'de>>(
         if !value {
             return Ok(false);
         }
-        let repeated = if hashed.is_empty() && scanned.len() < SCAN_UP_TO {
-            let repeated = scanned.contains(&key);
-            scanned.push(key);
-            repeated
-        } else {
-            hashed.extend(scanned.drain(..));
-            !hashed.insert(key)
-        };
-        if repeated {
+        if keys.repeats(key) {
             return Ok(false);
         }
     }
@@ -363,39 +350,6 @@ fn end_container(out: &mut Vec<u8>, name: Range<usize>, content_start: usize) {
         out.extend_from_slice(b"/>");
     } else {
         close(out, name);
-    }
-}
-
-/// A key (or a number's text), borrowed from the text unless it holds an
-/// escape (serde's own `Cow<str>` always copies).
-struct Key;
-
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Cow<'de, str>;
-
-    fn deserialize<D: de::Deserializer<'de>>(
-        self,
-        deserializer: D,
-    ) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Key {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.write_str("a string")
-    }
-
-    fn visit_borrowed_str<E>(self, key: &'de str) -> Result<Self::Value, E> {
-        Ok(Cow::Borrowed(key))
-    }
-    fn visit_str<E>(self, key: &str) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(key.to_owned()))
-    }
-    fn visit_string<E>(self, key: String) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(key))
     }
 }
 
