@@ -105,8 +105,8 @@ impl Launch {
         self
     }
 
-    /// Logs a monitored worker at the `RUST_LOG` filter `filter` (still to
-    /// the test's stderr), for a test whose failure needs its story.
+    /// Logs the service at the `RUST_LOG` filter `filter` (still to the
+    /// test's stderr), for a test whose failure needs its story.
     pub fn log_filter(mut self, filter: &str) -> Launch {
         self.filter = Some(filter.to_owned());
         self
@@ -152,7 +152,9 @@ impl Launch {
             .envs(self.variables.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env(
                 "RUST_LOG",
-                std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into()),
+                self.filter.clone().unwrap_or_else(|| {
+                    std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
+                }),
             )
             .stdin(Stdio::null());
         if let Some((path, filter)) = &self.log {
@@ -243,13 +245,19 @@ impl Launch {
             .expect("start report-generator (is it built?)");
         let stderr = child.stderr.take().expect("piped stderr");
         let (address_sender, address) = std::sync::mpsc::channel();
+        // Reads to the end whatever arrives: a reader that stopped early
+        // would let the pipe fill, and the worker would block on its next
+        // log line (a stall of the test's making).
         std::thread::spawn(move || {
             use std::io::BufRead;
-            for line in std::io::BufReader::new(stderr).lines() {
+            for line in std::io::BufReader::new(stderr).split(b'\n') {
                 let Ok(line) = line else { break };
+                let line = String::from_utf8_lossy(&line);
                 eprintln!("{line}");
-                if let Some(found) = serde_json::from_str::<Value>(&line)
-                    .ok()
+                if let Some(found) = line
+                    .contains("metrics_address")
+                    .then(|| serde_json::from_str::<Value>(&line).ok())
+                    .flatten()
                     .and_then(|entry| entry["metrics_address"].as_str().map(str::to_owned))
                 {
                     let _ = address_sender.send(found);

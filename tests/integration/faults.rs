@@ -132,7 +132,8 @@ async fn worker_state(monitor: Option<&str>) -> String {
     };
     let http = reqwest::Client::new();
     let mut parts = Vec::new();
-    for path in ["readyz", "metrics"] {
+    // /healthz tells a wedged loop (it stops turning) from an idle one.
+    for path in ["healthz", "readyz", "metrics"] {
         let text = match http.get(format!("{base}/{path}")).send().await {
             Ok(response) => response
                 .text()
@@ -858,7 +859,11 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
 {
     let mut cluster = blocking(|| KafkaCluster::start_new(3));
     let stack = TestStack::create_on_cluster("fault-3b", &cluster).await;
-    let launch = stack.api();
+    // Releases, recreated producers and each request's outcome: what a
+    // request left without an answer was waiting for.
+    let launch = stack
+        .api()
+        .log_filter("warn,quire_queue=info,producer_api=info");
     let prefix = launch.settings.api.transactional_id_prefix.clone();
     let api = Arc::new(launch.start_api().await);
     let (mut worker, base) = stack
