@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use quire_queue::{
     ArrayConsumer, ArrayEnqueuer, ConsumerOptions, DrainExit, GroupCommitLimits, MessageId,
-    OutMessage, QueueError, RebalanceEvent, TransactionalProducer,
+    OutMessage, ProducerOptions, QueueError, RebalanceEvent, Release, TransactionalProducer,
 };
 use quire_tests::{
     TestTopic, committed_offsets, delete_records_before, kafka_settings, payloads, read_all, unique,
@@ -865,4 +865,58 @@ async fn a_tail_covers_markers_and_aborts_and_waits_for_an_open_transaction() {
             .any(|(partition, offset, _)| *partition == at.partition && *offset == at.offset),
         "the message of the committed transaction was handed over"
     );
+}
+
+/// A release that cannot go out (its partition has no leader; here its
+/// topic is gone) holds the producer for its whole patience. An array queued
+/// meanwhile is answered by the group commit's `max_wait`, aborted and
+/// unsent, not once the release gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_array_queued_behind_a_stuck_release_is_answered_by_its_max_wait() {
+    let records = TestTopic::create("release-wait", 1).await;
+    let gone = TestTopic::create("release-gone", 1).await;
+    let patience = Duration::from_secs(6);
+    let release = Release {
+        messages: vec![OutMessage::new(&gone.name, None, b"release".to_vec()).to_partition(0)],
+        patience,
+        on_release: None,
+    };
+    let producer = TransactionalProducer::connect_with(
+        &kafka_settings(),
+        &unique("test-release-wait"),
+        ProducerOptions {
+            send_timeout: None,
+            release: Some(release),
+        },
+    )
+    .await
+    .expect("producer (its first release commits)");
+    drop(gone);
+    producer.request_release();
+    let max_wait = Duration::from_secs(1);
+    let enqueuer = ArrayEnqueuer::start(
+        producer,
+        GroupCommitLimits {
+            max_wait: Some(max_wait),
+            ..GroupCommitLimits::default()
+        },
+    );
+
+    let started = Instant::now();
+    let answer = enqueuer
+        .enqueue_array(messages(&records.name, 10, "-late"))
+        .await;
+    let took = started.elapsed();
+    assert!(
+        matches!(answer, Err(QueueError::TransactionAborted(_))),
+        "an array that could not begin in time is aborted: {answer:?}"
+    );
+    assert!(
+        took < max_wait + Duration::from_millis(1_500),
+        "answered after {took:?}: it waited for the release (patience {patience:?}), \
+         not its max_wait ({max_wait:?})"
+    );
+    // Once the release has given up, the array still is nowhere.
+    tokio::time::sleep(patience + Duration::from_secs(1)).await;
+    assert_eq!(read_all(&kafka_settings(), &records.name, 1, true).len(), 0);
 }

@@ -7,6 +7,7 @@
 //! it gets the error and none of their arrays is visible.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -29,8 +30,11 @@ pub struct GroupCommitLimits {
     /// An array that has waited longer than this for its transaction to
     /// begin is answered [`QueueError::TransactionAborted`] without being
     /// sent (nothing of it published): while Kafka is away each
-    /// transaction takes its whole send timeout, and a caller should not
-    /// wait through several. `None`: no bound.
+    /// transaction takes its whole send timeout, a put-off abort or a
+    /// release may come first, and a caller should not wait through
+    /// several. The caller gives up by itself once this has passed and its
+    /// array was not taken into a transaction, whatever the task is doing.
+    /// `None`: no bound.
     pub max_wait: Option<Duration>,
 }
 
@@ -66,12 +70,21 @@ struct Request {
     messages: Vec<OutMessage>,
     followers: Option<Followers>,
     reply: oneshot::Sender<Result<Vec<MessageId>, QueueError>>,
+    /// Who has the array: [`WAITING`] until the task takes it into a
+    /// transaction ([`TAKEN`]) or the caller gives up on it ([`ABANDONED`]);
+    /// whichever comes first decides.
+    state: Arc<AtomicU8>,
 }
+
+const WAITING: u8 = 0;
+const TAKEN: u8 = 1;
+const ABANDONED: u8 = 2;
 
 /// The front of a transactional producer for concurrent callers.
 #[derive(Clone)]
 pub struct ArrayEnqueuer {
     requests: mpsc::Sender<Request>,
+    max_wait: Option<Duration>,
 }
 
 impl ArrayEnqueuer {
@@ -89,7 +102,10 @@ impl ArrayEnqueuer {
     ) -> Self {
         let (requests, receiver) = mpsc::channel(limits.queue_depth.max(1));
         tokio::spawn(run_group_commit(producer, limits, receiver, observer));
-        ArrayEnqueuer { requests }
+        ArrayEnqueuer {
+            requests,
+            max_wait: limits.max_wait,
+        }
     }
 
     /// ENQUEUE_ARRAY: publishes `messages` atomically (possibly in a
@@ -110,18 +126,44 @@ impl ArrayEnqueuer {
         messages: Vec<OutMessage>,
         followers: Option<Followers>,
     ) -> Result<Vec<MessageId>, QueueError> {
-        let (reply, answer) = oneshot::channel();
+        let (reply, mut answer) = oneshot::channel();
+        let queued_at = Instant::now();
+        let state = Arc::new(AtomicU8::new(WAITING));
         self.requests
             .send(Request {
-                queued_at: Instant::now(),
+                queued_at,
                 messages,
                 followers,
                 reply,
+                state: Arc::clone(&state),
             })
             .await
             .map_err(|_| QueueError::EnqueuerStopped)?;
+        if let Some(max_wait) = self.max_wait {
+            let deadline = tokio::time::Instant::from_std(queued_at + max_wait);
+            if let Ok(answered) = tokio::time::timeout_at(deadline, &mut answer).await {
+                return answered.map_err(|_| QueueError::EnqueuerStopped)?;
+            }
+            // Not answered in time: unless its transaction has begun, the
+            // array is given up here (the task skips it) and nothing of it
+            // is ever sent.
+            if state
+                .compare_exchange(WAITING, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Err(waited_too_long());
+            }
+        }
         answer.await.map_err(|_| QueueError::EnqueuerStopped)?
     }
+}
+
+/// The answer to an array that waited past `max_wait` for its transaction:
+/// aborted, nothing of it sent.
+fn waited_too_long() -> QueueError {
+    QueueError::TransactionAborted(KafkaError::MessageProduction(
+        RDKafkaErrorCode::MessageTimedOut,
+    ))
 }
 
 async fn run_group_commit(
@@ -131,6 +173,14 @@ async fn run_group_commit(
     observer: Option<TransactionObserver>,
 ) {
     while let Some(first) = receiver.recv().await {
+        if first.state.load(Ordering::Acquire) == ABANDONED {
+            continue;
+        }
+        // The producer is readied before any array is taken: a put-off
+        // abort and a release due (after the brokers were gone) can each
+        // take seconds, and callers waiting through them give up on time
+        // instead of being held by a transaction they are already in.
+        let readied = producer.ready().await;
         let Some(first) = in_time(first, &limits) else {
             continue;
         };
@@ -173,7 +223,12 @@ async fn run_group_commit(
         });
         tracing::debug!(arrays = sizes.len(), messages, bytes, "group commit");
         let started = Instant::now();
-        let outcome = producer.transact_then(all_messages, followers).await;
+        // A release that failed is still due: its error answers the group
+        // rather than a second attempt inside the transaction.
+        let outcome = match readied {
+            Ok(()) => producer.transact_then(all_messages, followers).await,
+            Err(error) => Err(error),
+        };
         if let Some(observer) = &observer {
             observer(&TransactionReport {
                 arrays: sizes.len(),
@@ -216,9 +271,17 @@ async fn run_group_commit(
     }
 }
 
-/// The request, unless it waited past `limits.max_wait` for a transaction
-/// to begin: then it is answered as aborted (nothing of it was sent).
+/// The request, taken into the next transaction, unless its caller gave up
+/// on it or it waited past `limits.max_wait` for a transaction to begin:
+/// then it is (or was) answered as aborted, nothing of it sent.
 fn in_time(request: Request, limits: &GroupCommitLimits) -> Option<Request> {
+    if request
+        .state
+        .compare_exchange(WAITING, TAKEN, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return None;
+    }
     let waited = request.queued_at.elapsed();
     match limits.max_wait {
         Some(max_wait) if waited > max_wait => {
@@ -226,9 +289,7 @@ fn in_time(request: Request, limits: &GroupCommitLimits) -> Option<Request> {
                 waited_ms = waited.as_millis() as u64,
                 "array waited too long for a transaction"
             );
-            let _caller_may_be_gone = request.reply.send(Err(QueueError::TransactionAborted(
-                KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
-            )));
+            let _caller_may_be_gone = request.reply.send(Err(waited_too_long()));
             None
         }
         _ => Some(request),

@@ -220,6 +220,26 @@ impl TransactionalProducer {
         .await?
     }
 
+    /// Readies the producer for its next transaction: finishes an abort
+    /// put off by [`transact_then`](Self::transact_then) and commits a
+    /// release that is due. Each can take seconds while Kafka is away, so a
+    /// caller that answers others (the group commit) does this before it
+    /// takes their arrays. `Ok` when there was nothing to do; on failure the
+    /// release stays due.
+    pub async fn ready(&self) -> Result<(), QueueError> {
+        if !self.inner.abort_pending.load(Ordering::Acquire) && !self.release_is_due() {
+            return Ok(());
+        }
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || {
+            let _one_transaction_at_a_time =
+                inner.transaction_lock.lock().expect("transaction lock");
+            inner.finish_pending_abort();
+            inner.release_locked()
+        })
+        .await?
+    }
+
     /// Makes a release due (for a periodic one: a disconnection librdkafka
     /// did not report).
     pub fn request_release(&self) {
