@@ -293,8 +293,8 @@ impl ArrayConsumer {
             })?;
             let list = offset_list(&topic, &commit.committed)?;
             let in_transaction = (!commit.committed.is_empty()).then_some(OffsetsInTransaction {
-                offsets: &list,
-                group_metadata: &group_metadata,
+                offsets: list,
+                group_metadata,
             });
             let ids = producer.transact_blocking(&messages, in_transaction);
             drop(messages);

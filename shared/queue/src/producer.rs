@@ -18,6 +18,10 @@ use crate::{MessageId, OutMessage, QueueError};
 /// How often a commit that librdkafka calls retriable is tried again.
 const COMMIT_ATTEMPTS: usize = 3;
 
+/// How long past its own timeout a call to librdkafka's
+/// `send_offsets_to_transaction` is waited for (see `Inner::send_offsets`).
+const SEND_OFFSETS_GRACE: Duration = Duration::from_secs(5);
+
 /// Keeps the latest librdkafka statistics (when `statistics.interval.ms` is
 /// set) and forwards librdkafka's logs to tracing.
 #[derive(Default, Clone)]
@@ -145,9 +149,9 @@ pub type Followers = Box<dyn FnOnce(&[MessageId]) -> Vec<OutMessage> + Send>;
 
 /// Consumer offsets to commit inside a transaction, with the consumer's group
 /// metadata so the broker refuses them from a fenced or stale member.
-pub(crate) struct OffsetsInTransaction<'a> {
-    pub offsets: &'a TopicPartitionList,
-    pub group_metadata: &'a ConsumerGroupMetadata,
+pub(crate) struct OffsetsInTransaction {
+    pub offsets: TopicPartitionList,
+    pub group_metadata: ConsumerGroupMetadata,
 }
 
 impl TransactionalProducer {
@@ -315,7 +319,7 @@ impl TransactionalProducer {
     pub(crate) fn transact_blocking(
         &self,
         messages: &[OutMessage],
-        offsets: Option<OffsetsInTransaction<'_>>,
+        offsets: Option<OffsetsInTransaction>,
     ) -> Result<Vec<MessageId>, QueueError> {
         self.inner.transact_blocking(messages, offsets)
     }
@@ -341,7 +345,7 @@ impl Inner {
     fn transact_blocking(
         &self,
         messages: &[OutMessage],
-        offsets: Option<OffsetsInTransaction<'_>>,
+        offsets: Option<OffsetsInTransaction>,
     ) -> Result<Vec<MessageId>, QueueError> {
         let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
         self.finish_pending_abort();
@@ -469,7 +473,7 @@ impl Inner {
     fn transact_locked(
         &self,
         messages: &[OutMessage],
-        offsets: Option<OffsetsInTransaction<'_>>,
+        offsets: Option<OffsetsInTransaction>,
         followers: Option<Followers>,
         send_timeout: Duration,
         defer_abort: bool,
@@ -597,7 +601,7 @@ impl Inner {
     fn send_all(
         &self,
         messages: &[OutMessage],
-        offsets: Option<OffsetsInTransaction<'_>>,
+        offsets: Option<OffsetsInTransaction>,
         deadline: std::time::Instant,
     ) -> Result<Vec<DeliveryFuture>, QueueError> {
         let mut deliveries = Vec::with_capacity(messages.len());
@@ -605,17 +609,71 @@ impl Inner {
             deliveries.push(self.send_one(message, deadline)?);
         }
         if let Some(offsets) = offsets {
-            self.producer
-                .send_offsets_to_transaction(offsets.offsets, offsets.group_metadata, self.timeout)
-                .map_err(|error| match self.classify(error) {
-                    QueueError::TransactionAborted(error) if refused_by_the_group(&error) => {
-                        QueueError::GroupRefused(error)
-                    }
-                    other => other,
-                })?;
+            self.send_offsets(offsets)?;
         }
         self.flush_deliveries(deadline)?;
         Ok(deliveries)
+    }
+
+    /// Adds the consumer's offsets to the transaction, bounded.
+    ///
+    /// librdkafka's `send_offsets_to_transaction` waits for its result with
+    /// no bound of its own (the timeout is left to the request it sends), and
+    /// one of that request's reply paths (an outdated reply, seen after the
+    /// group coordinator moved) returns without setting the result: the call
+    /// then never returns, and the worker stood still with its consumer's
+    /// poll lock held (a three-broker fault test caught it in a gdb dump).
+    /// So the call runs on a thread of its own, waited for the timeout plus
+    /// [`SEND_OFFSETS_GRACE`]. Past that the producer is marked unusable:
+    /// every later transactional call would conflict with the stuck one. The
+    /// commit was never asked for, so nothing of the transaction can become
+    /// visible: the error is [`QueueError::TransactionAborted`], and its owner
+    /// starts a new producer with the same id, which fences this one and ends
+    /// the transaction. The stuck thread keeps its clone of the client until
+    /// the process exits.
+    fn send_offsets(&self, offsets: OffsetsInTransaction) -> Result<(), QueueError> {
+        let producer = self.producer.clone();
+        let timeout = self.timeout;
+        let (done, answer) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("send-offsets".into())
+            .spawn(move || {
+                let sent = producer.send_offsets_to_transaction(
+                    &offsets.offsets,
+                    &offsets.group_metadata,
+                    timeout,
+                );
+                let _caller_may_have_given_up = done.send(sent);
+            })
+            .map_err(|error| {
+                // No thread, no call: nothing of the offsets was sent, and
+                // the transaction is aborted like any that failed to send.
+                tracing::error!(error = %error, "cannot start a thread to send the offsets");
+                QueueError::TransactionAborted(KafkaError::MessageProduction(
+                    RDKafkaErrorCode::Fail,
+                ))
+            })?;
+        match answer.recv_timeout(timeout + SEND_OFFSETS_GRACE) {
+            Ok(sent) => sent.map_err(|error| match self.classify(error) {
+                QueueError::TransactionAborted(error) if refused_by_the_group(&error) => {
+                    QueueError::GroupRefused(error)
+                }
+                other => other,
+            }),
+            Err(_) => {
+                let error = KafkaError::MessageProduction(RDKafkaErrorCode::OperationTimedOut);
+                tracing::error!(
+                    transactional_id = %self.transactional_id,
+                    waited_ms = (timeout + SEND_OFFSETS_GRACE).as_millis() as u64,
+                    "librdkafka's send_offsets_to_transaction did not return; \
+                     the producer is replaced (its transaction ends with the replacement)"
+                );
+                self.mark_unusable("send_offsets_to_transaction did not return", &error);
+                // Not fenced: the caller's session restarts (a new producer)
+                // as after any aborted transaction.
+                Err(QueueError::TransactionAborted(error))
+            }
+        }
     }
 
     /// Queues one message, waiting while librdkafka's local queue is full.
