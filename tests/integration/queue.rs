@@ -886,6 +886,7 @@ async fn an_array_queued_behind_a_stuck_release_is_answered_by_its_max_wait() {
         &unique("test-release-wait"),
         ProducerOptions {
             send_timeout: None,
+            commit_timeout: None,
             release: Some(release),
         },
     )

@@ -79,6 +79,11 @@ impl Factory {
             transactional_id,
             ProducerOptions {
                 send_timeout: Some(self.send_timeout),
+                // A request in a transaction is answered within the send
+                // timeout plus this: "outcome unknown", settled from the log,
+                // rather than a wait through three 30 s commit attempts
+                // while the transaction coordinator moves.
+                commit_timeout: Some(self.send_timeout),
                 release: Some(self.release.clone()),
             },
         )

@@ -231,6 +231,7 @@ impl Worker {
             &transactional_id,
             ProducerOptions {
                 send_timeout: None,
+                commit_timeout: None,
                 release: Some(Release {
                     messages: release_messages(&topics, &specs),
                     patience: Release::patience_for(&settings.kafka),

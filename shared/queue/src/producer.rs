@@ -99,6 +99,12 @@ pub struct ProducerOptions {
     /// `None`: `kafka.request_timeout_ms`. When Kafka is away, a transaction
     /// fails (aborted, nothing visible) after it.
     pub send_timeout: Option<Duration>,
+    /// Bound on a transaction's commit, all retries together; `None`:
+    /// [`COMMIT_ATTEMPTS`] attempts of `kafka.request_timeout_ms` each. Past
+    /// it the outcome is unknown ([`QueueError::CommitOutcomeUnknown`]): a
+    /// caller that answers clients (the API) sets it to keep its answers
+    /// bounded while a transaction coordinator moves.
+    pub commit_timeout: Option<Duration>,
     /// Committed at connect and whenever the brokers were gone, before any
     /// other transaction (see [`Release`]).
     pub release: Option<Release>,
@@ -124,6 +130,8 @@ struct Inner {
     /// it, may take before the commit is asked for; past it the transaction
     /// is aborted, nothing of it visible.
     send_timeout: Duration,
+    /// Bound on a commit, retries included (see [`ProducerOptions`]).
+    commit_timeout: Option<Duration>,
     /// One open transaction at a time.
     transaction_lock: Mutex<()>,
     /// Set once librdkafka reports a fatal error (fenced), or once the
@@ -192,6 +200,7 @@ impl TransactionalProducer {
             transactional_id: transactional_id.to_owned(),
             timeout,
             send_timeout: options.send_timeout.unwrap_or(timeout),
+            commit_timeout: options.commit_timeout,
             transaction_lock: Mutex::new(()),
             fatal: AtomicBool::new(false),
             release_pending: AtomicBool::new(options.release.is_some()),
@@ -749,12 +758,22 @@ impl Inner {
     /// coordinator may have written the commit): that is
     /// [`QueueError::CommitOutcomeUnknown`], never "aborted".
     fn commit_with_retries(&self) -> Result<(), QueueError> {
+        let deadline = self.commit_timeout.map(|budget| Instant::now() + budget);
         let mut attempt = 1;
         loop {
-            match self.producer.commit_transaction(self.timeout) {
+            // With a budget, each attempt gets what is left of it (librdkafka
+            // resumes the same commit on a retry), at least 100 ms.
+            let timeout = deadline.map_or(self.timeout, |deadline| {
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100))
+            });
+            match self.producer.commit_transaction(timeout) {
                 Ok(()) => return Ok(()),
                 Err(KafkaError::Transaction(error))
-                    if error.is_retriable() && attempt < COMMIT_ATTEMPTS =>
+                    if error.is_retriable()
+                        && attempt < COMMIT_ATTEMPTS
+                        && deadline.is_none_or(|deadline| Instant::now() < deadline) =>
                 {
                     tracing::warn!(attempt, error = %error, "transaction commit is retriable; retrying");
                     attempt += 1;
