@@ -137,6 +137,14 @@ impl Launch {
         self
     }
 
+    /// The service's `RUST_LOG`: its [`log_filter`](Self::log_filter), else
+    /// `QUIRE_TEST_SERVICE_LOG`, else `warn`.
+    fn rust_log(&self) -> String {
+        self.filter.clone().unwrap_or_else(|| {
+            std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
+        })
+    }
+
     /// The service's command: its release binary, its settings as
     /// variables, logs at `QUIRE_TEST_SERVICE_LOG` (a `RUST_LOG` filter,
     /// `warn` by default) on the test's stderr, no stdin.
@@ -150,12 +158,7 @@ impl Launch {
         command
             .envs(environment_of(&self.settings))
             .envs(self.variables.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env(
-                "RUST_LOG",
-                self.filter.clone().unwrap_or_else(|| {
-                    std::env::var("QUIRE_TEST_SERVICE_LOG").unwrap_or_else(|_| "warn".into())
-                }),
-            )
+            .env("RUST_LOG", self.rust_log())
             .stdin(Stdio::null());
         if let Some((path, filter)) = &self.log {
             let file = std::fs::File::create(path).expect("create the service's log file");
@@ -231,13 +234,7 @@ impl Launch {
         command
             .env(
                 "RUST_LOG",
-                format!(
-                    "{},report_generator::monitoring=info",
-                    self.filter
-                        .clone()
-                        .unwrap_or_else(|| std::env::var("QUIRE_TEST_SERVICE_LOG")
-                            .unwrap_or_else(|_| "warn".into()))
-                ),
+                format!("{},report_generator::monitoring=info", self.rust_log()),
             )
             .stderr(Stdio::piped());
         let mut child = command

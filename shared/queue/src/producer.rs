@@ -221,7 +221,8 @@ impl TransactionalProducer {
         self.inner.release_is_due()
     }
 
-    /// Commits the release now if one is due (see [`Release`]); `Ok` when
+    /// Commits the release now if one is due (see [`Release`]), after an
+    /// abort put off by [`transact_then`](Self::transact_then); `Ok` when
     /// none is due. On failure the release stays due.
     pub async fn release_if_due(&self) -> Result<(), QueueError> {
         let inner = Arc::clone(&self.inner);
@@ -235,22 +236,16 @@ impl TransactionalProducer {
 
     /// Readies the producer for its next transaction: finishes an abort
     /// put off by [`transact_then`](Self::transact_then) and commits a
-    /// release that is due. Each can take seconds while Kafka is away, so a
-    /// caller that answers others (the group commit) does this before it
-    /// takes their arrays. `Ok` when there was nothing to do; on failure the
+    /// release that is due (what [`release_if_due`](Self::release_if_due)
+    /// does, without a blocking task when neither is pending). Each can take
+    /// seconds while Kafka is away, so a caller that answers others (the
+    /// group commit) does this before it takes their arrays. On failure the
     /// release stays due.
     pub async fn ready(&self) -> Result<(), QueueError> {
         if !self.inner.abort_pending.load(Ordering::Acquire) && !self.release_is_due() {
             return Ok(());
         }
-        let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || {
-            let _one_transaction_at_a_time =
-                inner.transaction_lock.lock().expect("transaction lock");
-            inner.finish_pending_abort();
-            inner.release_locked()
-        })
-        .await?
+        self.release_if_due().await
     }
 
     /// Makes a release due (for a periodic one: a disconnection librdkafka
