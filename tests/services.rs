@@ -47,6 +47,9 @@ pub struct Launch {
     /// The `RUST_LOG` filter of a monitored worker, instead of
     /// `QUIRE_TEST_SERVICE_LOG` (`warn`).
     filter: Option<String>,
+    /// Another build of the service to run instead of the workspace's
+    /// release binary (a benchmark's baseline).
+    binary: Option<PathBuf>,
 }
 
 impl TestStack {
@@ -95,6 +98,7 @@ impl Launch {
             drain: false,
             log: None,
             filter: None,
+            binary: None,
         }
     }
 
@@ -130,6 +134,14 @@ impl Launch {
         self.variable("QUIRE_WORKER_FAILPOINT", name)
     }
 
+    /// Runs the service from the executable at `path` (another build of it,
+    /// such as a benchmark's baseline) instead of the workspace's release
+    /// binary; `None` keeps the release binary.
+    pub fn binary(mut self, path: Option<&std::path::Path>) -> Launch {
+        self.binary = path.map(ToOwned::to_owned);
+        self
+    }
+
     /// Runs a report generator with `--drain`: it exits once it has read
     /// its partitions to their end.
     pub fn drain(mut self) -> Launch {
@@ -149,7 +161,11 @@ impl Launch {
     /// variables, logs at `QUIRE_TEST_SERVICE_LOG` (a `RUST_LOG` filter,
     /// `warn` by default) on the test's stderr, no stdin.
     pub fn command(&self) -> Command {
-        let mut command = Command::new(release_binary(self.service.binary()));
+        let mut command = Command::new(
+            self.binary
+                .clone()
+                .unwrap_or_else(|| release_binary(self.service.binary())),
+        );
         for (name, _) in std::env::vars() {
             if quire_config::is_setting_variable(&name) || name == "QUIRE_CONFIG" {
                 command.env_remove(name);

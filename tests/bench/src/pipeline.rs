@@ -23,6 +23,7 @@
 //! is in the page cache (as the worker's is in the end to end scenario).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,10 +65,31 @@ pub struct PipelineArgs {
     /// Times the whole sequence runs; the last line gives the medians.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     runs: u64,
+    /// Another build of the producer API to measure against in the same
+    /// runs (a copy of `target/release/producer-api` from before a change):
+    /// each run then goes through the three scenarios with the baseline
+    /// builds and with the workspace's, in turns, and the last line gives
+    /// the CPU ratios.
+    #[arg(long)]
+    baseline_api: Option<PathBuf>,
+    /// The same for the report generator.
+    #[arg(long)]
+    baseline_worker: Option<PathBuf>,
+}
+
+/// Which builds of the services a scenario runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Builds {
+    /// The workspace's release binaries.
+    Workspace,
+    /// `--baseline-api` / `--baseline-worker` where given, else the
+    /// workspace's.
+    Baseline,
 }
 
 struct Row {
     name: &'static str,
+    builds: Builds,
     records: usize,
     seconds: f64,
     /// CPU time of the producer API during the scenario, if it ran.
@@ -203,6 +225,16 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     // Both services are built (or this stops here, saying how to build them).
     release_binary("producer-api");
     release_binary("report-generator");
+    for baseline in [&args.baseline_api, &args.baseline_worker]
+        .into_iter()
+        .flatten()
+    {
+        ensure!(
+            baseline.is_file(),
+            "the baseline build {} is not a file",
+            baseline.display()
+        );
+    }
     let workload = Arc::new(Workload::build(&args));
     eprintln!(
         "pipeline benchmark: {} records of ~{} bytes ({} bytes each as sent), {} streams, \
@@ -218,7 +250,7 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     let mut runs: Vec<Vec<Row>> = Vec::new();
     for run in 1..=args.runs {
         eprintln!("run {run} of {}", args.runs);
-        runs.push(one_run(&args, &workload, limit).await?);
+        runs.push(one_run(&args, &workload, limit, run).await?);
     }
     report(&runs);
     Ok(())
@@ -229,6 +261,7 @@ async fn one_run(
     args: &PipelineArgs,
     workload: &Arc<Workload>,
     limit: Duration,
+    run: u64,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
 
@@ -244,6 +277,7 @@ async fn one_run(
             name: "ceiling produce (plain librdkafka, idempotent, acks=all)",
             records: args.records,
             seconds,
+            builds: Builds::Workspace,
             api_cpu: None,
             worker_cpu: None,
         });
@@ -261,16 +295,52 @@ async fn one_run(
             name: "ceiling consume (plain librdkafka)",
             records: read,
             seconds,
+            builds: Builds::Workspace,
             api_cpu: None,
             worker_cpu: None,
         });
         eprintln!("  ceiling consume: {seconds:.3} s");
     }
 
+    // With a baseline, both builds in turns: the baseline first in odd
+    // runs, the workspace's first in even ones, so neither always has the
+    // warmer or the quieter slot.
+    let mut order = vec![Builds::Workspace];
+    if args.baseline_api.is_some() || args.baseline_worker.is_some() {
+        order.push(Builds::Baseline);
+        if run % 2 == 1 {
+            order.reverse();
+        }
+    }
+    for builds in order {
+        if builds == Builds::Baseline {
+            eprintln!("  with the baseline builds:");
+        }
+        rows.extend(scenarios(args, workload, limit, builds).await?);
+    }
+    Ok(rows)
+}
+
+/// Scenarios 1 to 3 with `builds` of the services.
+async fn scenarios(
+    args: &PipelineArgs,
+    workload: &Arc<Workload>,
+    limit: Duration,
+    builds: Builds,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let (api_binary, worker_binary) = match builds {
+        Builds::Workspace => (None, None),
+        Builds::Baseline => (
+            args.baseline_api.as_deref(),
+            args.baseline_worker.as_deref(),
+        ),
+    };
+
     // 1 and 2: ingest alone, then the worker alone on what ingest queued.
     {
         let stack = TestStack::create("bench-pipeline").await;
-        let api = start_api(&stack, limit).await?;
+        let api = start_api(&stack, limit, api_binary).await?;
         let api_before = cpu_time(api.pid)?;
         let seconds = ingest(&api.client, workload, args.connections, limit).await?;
         let api_cpu = cpu_time(api.pid)? - api_before;
@@ -278,6 +348,7 @@ async fn one_run(
             name: "ingest alone (HTTP -> API -> Kafka, no worker)",
             records: args.records,
             seconds,
+            builds,
             api_cpu: Some(api_cpu),
             worker_cpu: None,
         });
@@ -285,7 +356,7 @@ async fn one_run(
         for stream in &workload.streams {
             api.client.cut(stream).await?;
         }
-        let mut worker = spawn_worker(&stack, "bench-drain", true)?;
+        let mut worker = spawn_worker(&stack, "bench-drain", true, worker_binary)?;
         let started = Instant::now();
         let code = worker.wait(limit).await?;
         let seconds = started.elapsed().as_secs_f64();
@@ -306,6 +377,7 @@ async fn one_run(
             name: "worker alone (--drain: render, upload, commit)",
             records: args.records,
             seconds,
+            builds,
             api_cpu: None,
             // Its whole life, start-up and take-over included.
             worker_cpu: Some(worker.cpu),
@@ -319,9 +391,9 @@ async fn one_run(
     // 3: end to end on a fresh stack, a worker already serving.
     {
         let stack = TestStack::create("bench-pipeline-e2e").await;
-        let api = start_api(&stack, limit).await?;
+        let api = start_api(&stack, limit, api_binary).await?;
         let spawned = Instant::now();
-        let mut worker = spawn_worker(&stack, "bench-serve", false)?;
+        let mut worker = spawn_worker(&stack, "bench-serve", false, worker_binary)?;
         wait_for_member(&stack.group, &mut worker, limit).await?;
         // A serving worker has its partitions in hand: one record of a
         // stream of its own, cut, and its report completed, prove it (the
@@ -392,6 +464,7 @@ async fn one_run(
             name: "end to end (HTTP -> completed reports in S3)",
             records: args.records,
             seconds,
+            builds,
             api_cpu: Some(api_cpu),
             worker_cpu: Some(worker_cpu),
         });
@@ -416,15 +489,19 @@ fn report(runs: &[Vec<Row>]) {
             .unwrap_or_else(|| "-".to_owned())
     };
     println!(
-        "{:<4} {:<58} {:>9} {:>8} {:>10} {:>12} {:>12}",
+        "{:<4} {:<70} {:>9} {:>8} {:>10} {:>12} {:>12}",
         "run", "scenario", "records", "seconds", "records/s", "api cpu-us/r", "wkr cpu-us/r"
     );
     for (index, rows) in runs.iter().enumerate() {
         for row in rows {
+            let name = match row.builds {
+                Builds::Workspace => row.name.to_owned(),
+                Builds::Baseline => format!("{} [baseline]", row.name),
+            };
             println!(
-                "{:<4} {:<58} {:>9} {:>8.3} {:>10.0} {:>12} {:>12}",
+                "{:<4} {:<70} {:>9} {:>8.3} {:>10.0} {:>12} {:>12}",
                 index + 1,
-                row.name,
+                name,
                 row.records,
                 row.seconds,
                 row.rate(),
@@ -433,11 +510,12 @@ fn report(runs: &[Vec<Row>]) {
             );
         }
     }
-    let find = |rows: &'_ [Row], prefix: &str| -> usize {
+    let find_in = |rows: &'_ [Row], prefix: &str, builds: Builds| -> usize {
         rows.iter()
-            .position(|row| row.name.starts_with(prefix))
+            .position(|row| row.builds == builds && row.name.starts_with(prefix))
             .expect("scenario ran")
     };
+    let find = |rows: &'_ [Row], prefix: &str| find_in(rows, prefix, Builds::Workspace);
     let median_of =
         |value: &dyn Fn(&[Row]) -> f64| median(runs.iter().map(|rows| value(rows)).collect());
     let rate = |prefix: &'static str| move |rows: &[Row]| rows[find(rows, prefix)].rate();
@@ -457,11 +535,38 @@ fn report(runs: &[Vec<Row>]) {
         let row = &rows[find(rows, "worker alone")];
         per_record(row.worker_cpu.unwrap_or_default(), row.records)
     });
+    // With a baseline: each run's CPU per record of the workspace's build
+    // over the baseline's, in the scenario where the service runs alone.
+    let mut baseline = String::new();
+    if runs[0].iter().any(|row| row.builds == Builds::Baseline) {
+        let cpu_of = |rows: &[Row], prefix: &str, builds: Builds, api: bool| {
+            let row = &rows[find_in(rows, prefix, builds)];
+            let cpu = if api { row.api_cpu } else { row.worker_cpu };
+            per_record(cpu.unwrap_or_default(), row.records)
+        };
+        let over = |prefix: &'static str, api: bool| {
+            median_of(&|rows: &[Row]| {
+                cpu_of(rows, prefix, Builds::Workspace, api)
+                    / cpu_of(rows, prefix, Builds::Baseline, api)
+            })
+        };
+        let baseline_api =
+            median_of(&|rows: &[Row]| cpu_of(rows, "ingest alone", Builds::Baseline, true));
+        let baseline_worker =
+            median_of(&|rows: &[Row]| cpu_of(rows, "worker alone", Builds::Baseline, false));
+        baseline = format!(
+            " baseline_api_cpu_us_per_record={baseline_api:.2} \
+             baseline_worker_cpu_us_per_record={baseline_worker:.2} \
+             api_cpu_over_baseline={:.2} worker_cpu_over_baseline={:.2}",
+            over("ingest alone", true),
+            over("worker alone", false),
+        );
+    }
     println!(
         "pipeline runs={} e2e_records_per_s={e2e:.0} ingest_over_ceiling={ingest_over_ceiling:.2} \
          worker_over_ceiling={worker_over_ceiling:.2} api_cpu_us_per_record={api_cpu:.2} \
          worker_cpu_us_per_record={worker_cpu:.2} worker_records_per_s={worker_records_per_s:.0} \
-         e2e_over_ceiling={e2e_over_ceiling:.2}",
+         e2e_over_ceiling={e2e_over_ceiling:.2}{baseline}",
         runs.len()
     );
 }
@@ -654,9 +759,14 @@ pub(crate) fn ceiling_consume(
 }
 
 /// The producer API of `stack`, healthy (bounded by `limit` and 60 s).
-async fn start_api(stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
+async fn start_api(
+    stack: &TestStack,
+    limit: Duration,
+    binary: Option<&std::path::Path>,
+) -> anyhow::Result<Api> {
     let process = stack
         .api()
+        .binary(binary)
         .try_start_api(limit.min(Duration::from_secs(60)))
         .await
         .map_err(|error| anyhow!(error))?;
@@ -673,8 +783,13 @@ async fn start_api(stack: &TestStack, limit: Duration) -> anyhow::Result<Api> {
 }
 
 /// Report generator `replica` of `stack` (`--drain` if `drain`).
-fn spawn_worker(stack: &TestStack, replica: &str, drain: bool) -> anyhow::Result<Service> {
-    let mut launch = stack.worker(replica);
+fn spawn_worker(
+    stack: &TestStack,
+    replica: &str,
+    drain: bool,
+    binary: Option<&std::path::Path>,
+) -> anyhow::Result<Service> {
+    let mut launch = stack.worker(replica).binary(binary);
     if drain {
         launch = launch.drain();
     }
