@@ -152,6 +152,14 @@ impl ApiProcess {
                     .retry_after
                     .unwrap_or(Duration::from_secs(1))
                     .max(Duration::from_millis(100)),
+                // The commit's outcome is being settled from the log: the
+                // key's retry is answered with it, as the error says.
+                Ok(answer)
+                    if answer.status == 500
+                        && answer.body["error"]["code"] == "publish_outcome_unknown" =>
+                {
+                    Duration::from_secs(1)
+                }
                 Ok(_) => Duration::ZERO,
                 Err(_) => Duration::from_secs(1),
             };

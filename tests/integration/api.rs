@@ -851,6 +851,7 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
     let log =
         producer_api::log_reader::LogReader::new(&reader_settings, 3, &unique("settle-reader"))
             .expect("log reader");
+    let wait = log.transaction_wait();
     let key = "settled-stream";
 
     // Committed, and aborted: settled at once.
@@ -858,15 +859,15 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
     let at = quire_tests::send_in_transaction(&committed, &topic.name, key).await;
     rdkafka::producer::Producer::commit_transaction(&committed, Duration::from_secs(30))
         .expect("commit");
-    assert!(log.settle(key.as_bytes(), at).await.expect("settled"));
+    assert!(log.settle(key.as_bytes(), at, wait).await.expect("settled"));
     // The same place under another key is not this request's message.
-    assert!(!log.settle(b"another-stream", at).await.expect("settled"));
+    assert!(!log.settle(b"another-stream", at, wait).await.expect("settled"));
 
     let aborted = quire_tests::raw_transactional_producer(&settings, &unique("settle-aborted"));
     let at = quire_tests::send_in_transaction(&aborted, &topic.name, key).await;
     rdkafka::producer::Producer::abort_transaction(&aborted, Duration::from_secs(30))
         .expect("abort");
-    assert!(!log.settle(key.as_bytes(), at).await.expect("settled"));
+    assert!(!log.settle(key.as_bytes(), at, wait).await.expect("settled"));
 
     // Still open when the look-up starts: it waits for the end. Committed a
     // moment later...
@@ -878,8 +879,30 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
         rdkafka::producer::Producer::commit_transaction(&late_commit, Duration::from_secs(30))
             .expect("late commit");
     });
-    assert!(log.settle(key.as_bytes(), at).await.expect("settled"));
+    assert!(log.settle(key.as_bytes(), at, wait).await.expect("settled"));
     committer.join().unwrap();
+
+    // A request waits for the end at most its budget: an open transaction
+    // past it is an error, in about that time, not a wait for the whole
+    // transaction timeout; it is settled once it ends.
+    let open = quire_tests::raw_transactional_producer(&settings, &unique("settle-open"));
+    let at = quire_tests::send_in_transaction(&open, &topic.name, key).await;
+    let asked = Instant::now();
+    let outcome = log
+        .settle(key.as_bytes(), at, Duration::from_millis(1500))
+        .await;
+    let waited = asked.elapsed();
+    assert!(
+        outcome.is_err(),
+        "an open transaction is not settled: {outcome:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(3),
+        "the budget of 1.5 s bounds the wait; it took {waited:?}"
+    );
+    rdkafka::producer::Producer::commit_transaction(&open, Duration::from_secs(30))
+        .expect("commit");
+    assert!(log.settle(key.as_bytes(), at, wait).await.expect("settled"));
 
     // ... or ended by fencing, as the API's replacement producer does.
     let id = unique("settle-fenced");
@@ -889,7 +912,7 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
         std::thread::sleep(Duration::from_secs(1));
         quire_tests::raw_transactional_producer(&quire_tests::kafka_settings(), &id)
     });
-    assert!(!log.settle(key.as_bytes(), at).await.expect("settled"));
+    assert!(!log.settle(key.as_bytes(), at, wait).await.expect("settled"));
     drop(fencer.join().unwrap());
     drop(fenced);
 }

@@ -296,7 +296,12 @@ fn encode_segment(segment: &str) -> String {
 ///   dropping connections). Whether such a request was published is
 ///   unknown, which is what its Idempotency-Key is for: the API answers a
 ///   retry of a published request with the first answer (the keys are kept
-///   in Kafka, so a restarted or other replica does too).
+///   in Kafka, so a restarted or other replica does too);
+/// - 500 `publish_outcome_unknown`: Kafka did not confirm the commit within
+///   the API's time, so it may or may not be published; the API goes on
+///   reading the log for the key, answers a retry 409 in progress until it
+///   knows, then with the first answer (published) or by publishing it
+///   (it was not).
 ///
 /// Not retried: any other answer, a TLS or certificate failure, a bad URL.
 pub fn is_retryable(error: &CliError) -> bool {
@@ -305,6 +310,8 @@ pub fn is_retryable(error: &CliError) -> bool {
             api.status == StatusCode::SERVICE_UNAVAILABLE
                 || api.status == StatusCode::TOO_MANY_REQUESTS
                 || (api.status == StatusCode::CONFLICT && api.code == "idempotency_key_in_progress")
+                || (api.status == StatusCode::INTERNAL_SERVER_ERROR
+                    && api.code == "publish_outcome_unknown")
         }
         CliError::Http { source, .. } => is_transient_transport(source),
         _ => false,
@@ -410,7 +417,7 @@ mod tests {
     }
 
     #[test]
-    fn only_answers_that_published_nothing_are_retried() {
+    fn answers_that_published_nothing_or_that_the_key_settles_are_retried() {
         assert!(is_retryable(&refused(503, "kafka_unavailable", Some(1))));
         assert!(is_retryable(&refused(429, "too_busy", Some(1))));
         assert!(is_retryable(&refused(
@@ -420,11 +427,8 @@ mod tests {
         )));
         assert!(!is_retryable(&refused(409, "report_pending", None)));
         assert!(!is_retryable(&refused(422, "idempotency_key_reused", None)));
-        assert!(!is_retryable(&refused(
-            500,
-            "publish_outcome_unknown",
-            None
-        )));
+        assert!(is_retryable(&refused(500, "publish_outcome_unknown", None)));
+        assert!(!is_retryable(&refused(500, "internal", None)));
     }
 
     /// A POST to `url`, as the CLI sends it, and the error it must end in.

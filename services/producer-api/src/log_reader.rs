@@ -41,6 +41,8 @@ pub enum LogError {
     Read(ReadError),
     #[error("a blocking kafka look-up ended without a result: {0}")]
     Join(String),
+    #[error("the look-up in the records topic did not finish within {0:?}")]
+    TimedOut(Duration),
 }
 
 impl LogError {
@@ -110,20 +112,36 @@ impl LogReader {
             id.offset,
             id.stream.as_str().as_bytes().to_vec(),
             true,
+            self.stable_wait,
         )
         .await
     }
 
     /// Settles a transaction whose commit outcome was unknown: whether the
     /// message written at `at` with `key` is committed (true) or its
-    /// transaction aborted (false). Waits, up to the transaction timeout, for
-    /// the transaction to end (the producer's replacement fences it, or the
-    /// coordinator times it out).
-    pub async fn settle(&self, key: &[u8], at: MessageId) -> Result<bool, LogError> {
-        let lookup = self
-            .look_up(at.partition, at.offset, key.to_vec(), false)
-            .await?;
+    /// transaction aborted (false). Waits for the transaction to end (the
+    /// producer's replacement fences it, or the coordinator times it out),
+    /// at most `within` in all: a request waiting on it must be answered in
+    /// bounded time, and [`transaction_wait`](Self::transaction_wait) is
+    /// what it takes to be sure.
+    pub async fn settle(
+        &self,
+        key: &[u8],
+        at: MessageId,
+        within: Duration,
+    ) -> Result<bool, LogError> {
+        let lookup = tokio::time::timeout(
+            within,
+            self.look_up(at.partition, at.offset, key.to_vec(), false, within),
+        )
+        .await
+        .map_err(|_| LogError::TimedOut(within))??;
         Ok(lookup == CutLookup::Issued)
+    }
+
+    /// Past this, any transaction open when a look-up started has ended.
+    pub fn transaction_wait(&self) -> Duration {
+        self.stable_wait
     }
 
     /// Whether a committed message with `key` (a cut marker, if `cut_only`)
@@ -134,6 +152,7 @@ impl LogReader {
         offset: i64,
         key: Vec<u8>,
         cut_only: bool,
+        stable_wait: Duration,
     ) -> Result<CutLookup, LogError> {
         let _permit = self
             .permits
@@ -150,7 +169,7 @@ impl LogReader {
             offset,
             stream_key: key,
             cut_only,
-            stable_wait: self.stable_wait,
+            stable_wait,
         };
         let idle_readers = Arc::clone(&self.idle_readers);
         tokio::task::spawn_blocking(move || {
@@ -189,12 +208,9 @@ struct Lookup {
 
 impl Lookup {
     fn run(&self, reader: &PartitionReader) -> Result<CutLookup, LogError> {
+        let deadline = Instant::now() + self.stable_wait;
         let (low, high) = reader
-            .watermarks(
-                &self.topic,
-                self.partition,
-                Instant::now() + self.stable_wait,
-            )
+            .watermarks(&self.topic, self.partition, deadline)
             .map_err(LogError::Read)?;
         if self.offset >= high {
             return Ok(CutLookup::NotIssued(
@@ -207,7 +223,12 @@ impl Lookup {
             ));
         }
         reader
-            .wait_until_stable_past(&self.topic, self.partition, self.offset, self.stable_wait)
+            .wait_until_stable_past(
+                &self.topic,
+                self.partition,
+                self.offset,
+                deadline.saturating_duration_since(Instant::now()),
+            )
             .map_err(LogError::Read)?;
         let Some(message) = reader
             .read_at(&self.topic, self.partition, self.offset)

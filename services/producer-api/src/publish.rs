@@ -56,6 +56,10 @@ pub struct Publisher {
     slots: Arc<Vec<Slot>>,
     next: AtomicUsize,
     factory: Arc<Factory>,
+    /// How long a request waits for an unknown commit outcome to be settled
+    /// from the log (`api.publish_timeout_ms`); past it, the answer is the
+    /// 500 and a keyed request's outcome is settled in the background.
+    settle_within: Duration,
 }
 
 /// Builds the messages of the records topic.
@@ -157,6 +161,7 @@ impl Publisher {
             slots: Arc::new(slots),
             next: AtomicUsize::new(0),
             factory,
+            settle_within: Duration::from_millis(api.publish_timeout_ms.max(1)),
         })
     }
 
@@ -192,8 +197,8 @@ impl Publisher {
     /// (Kafka failed in the middle of it) settled by reading the log where
     /// the messages were written, once the transaction has ended:
     /// committed is answered as committed, aborted as aborted (503: nothing
-    /// was published, retry); only what cannot be settled stays "outcome
-    /// unknown" (500).
+    /// was published, retry); only what cannot be settled within
+    /// `api.publish_timeout_ms` stays "outcome unknown" (500).
     pub async fn publish_settled(
         &self,
         log: &LogReader,
@@ -206,7 +211,7 @@ impl Publisher {
                 let (Some(key), Some(&first)) = (key, ids.first()) else {
                     return Err(QueueError::CommitOutcomeUnknown { source, ids });
                 };
-                match log.settle(&key, first).await {
+                match log.settle(&key, first, self.settle_within).await {
                     Ok(true) => {
                         tracing::info!(
                             partition = first.partition,

@@ -104,7 +104,7 @@ impl Services {
                 source.clone(),
             );
             Box::pin(async move {
-                match log.settle(&key, first).await {
+                match log.settle(&key, first, log.transaction_wait()).await {
                     Ok(true) => Some(respond(answer(ids))),
                     Ok(false) => Some(
                         ApiError::Publish(QueueError::TransactionAborted(source)).into_response(),
