@@ -59,6 +59,12 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
 
+/// SHA-256 of `bytes`, lowercase hex, as manifests give it.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
 /// A topic made for one test and deleted when dropped.
 pub struct TestTopic {
     pub name: String,

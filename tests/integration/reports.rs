@@ -7,9 +7,8 @@ use std::time::{Duration, Instant};
 use quire_messages::layout::RETENTION_PREFIXES;
 use quire_s3::{LifecycleOutcome, Retention};
 use quire_tests::s3::TestBucket;
-use quire_tests::{ApiProcess, Report, TestStack, records};
+use quire_tests::{ApiProcess, Report, TestStack, records, sha256_hex};
 use serde_json::{Value, json};
-use sha2::Digest;
 
 const LONG: Duration = Duration::from_secs(90);
 
@@ -18,10 +17,6 @@ fn stream_name(prefix: &str) -> String {
         "{prefix}-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     )
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(sha2::Sha256::digest(bytes))
 }
 
 fn gunzip(bytes: &[u8]) -> Vec<u8> {

@@ -8,6 +8,7 @@ use quire_s3::{
     MemoryPolicy, MemoryPool, RetryPolicy, S3Bucket, UploadPolicy, WriterError, WrittenObject,
 };
 use quire_tests::s3::{Fault, FaultProxy, TestBucket};
+use quire_tests::sha256_hex;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -42,10 +43,6 @@ fn document(length: usize) -> Vec<u8> {
     }
     bytes.truncate(length);
     bytes
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }
 
 /// Deletes the bucket, which the server refuses while it holds anything,

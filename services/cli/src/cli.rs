@@ -144,6 +144,10 @@ pub struct GetArgs {
     /// Where to write the document (`-` for stdout).
     #[arg(long, short = 'o')]
     pub output: PathBuf,
+    /// Download through the API even when it offers a presigned S3 URL
+    /// (by default the document comes straight from S3 when it does).
+    #[arg(long)]
+    pub through_api: bool,
 }
 
 #[derive(Debug, Args)]

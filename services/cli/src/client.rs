@@ -45,6 +45,29 @@ pub struct Limits {
     pub max_records_per_request: u64,
 }
 
+/// `GET /v1/reports/{id}/url`'s answer.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DownloadUrl {
+    pub url: String,
+    pub expires_at: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+impl DownloadUrl {
+    /// The URL without its query (the signature, a credential): what
+    /// messages show.
+    pub fn redacted(&self) -> String {
+        match reqwest::Url::parse(&self.url) {
+            Ok(mut url) => {
+                url.set_query(None);
+                url.to_string()
+            }
+            Err(_) => "the presigned S3 URL".to_owned(),
+        }
+    }
+}
+
 /// One page of `GET /v1/streams/{stream}/reports`.
 #[derive(Debug, Deserialize)]
 pub struct ReportPage {
@@ -198,6 +221,41 @@ impl ApiClient {
         let path = format!("/v1/reports/{}/content", encode_segment(report_id));
         self.send(self.request(reqwest::Method::GET, &path), &path)
             .await
+    }
+
+    /// `GET /v1/reports/{id}/url`: a presigned S3 URL of the document, or
+    /// None when this API hands out none (`download_urls_off`, or an API
+    /// from before the route: its plain 404 `not_found`).
+    pub async fn download_url(&self, report_id: &str) -> Result<Option<DownloadUrl>, CliError> {
+        let path = format!("/v1/reports/{}/url", encode_segment(report_id));
+        match self
+            .json::<DownloadUrl>(self.request(reqwest::Method::GET, &path), &path)
+            .await
+        {
+            Ok(url) => Ok(Some(url)),
+            Err(CliError::Api(api))
+                if api.status == StatusCode::NOT_FOUND
+                    && matches!(api.code.as_str(), "download_urls_off" | "not_found") =>
+            {
+                Ok(None)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// A GET of a presigned URL: no token (the signature is the
+    /// credential, and S3 is not the API), status checked.
+    pub async fn fetch_presigned(&self, url: &DownloadUrl) -> Result<Response, String> {
+        let response = self
+            .http
+            .get(&url.url)
+            .send()
+            .await
+            .map_err(|error| format!("{}: {error}", url.redacted()))?;
+        if response.status().is_success() {
+            return Ok(response);
+        }
+        Err(format!("{} answered {}", url.redacted(), response.status()))
     }
 
     pub async fn report_page(

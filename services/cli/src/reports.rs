@@ -115,12 +115,12 @@ pub async fn get(
     global: &GlobalOptions,
     arguments: &GetArgs,
 ) -> Result<(), CliError> {
-    let response = client.report_content(&arguments.report).await?;
-    let expected_sha256 = response
-        .headers()
-        .get("x-quire-sha256")
-        .and_then(|value| value.to_str().ok())
-        .map(|value| value.trim().to_ascii_lowercase());
+    let Download {
+        response,
+        expected_sha256,
+        source,
+        label,
+    } = open_download(client, arguments).await?;
     let content_length = response.content_length();
     let to_stdout = arguments.output == Path::new("-");
 
@@ -139,9 +139,9 @@ pub async fn get(
     let mut written = 0u64;
     let mut body = response.bytes_stream();
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|source| CliError::Http {
-            url: client.url(&format!("/v1/reports/{}/content", arguments.report)),
-            source,
+        let chunk = chunk.map_err(|error| CliError::Http {
+            url: label.clone(),
+            source: error,
         })?;
         hasher.update(&chunk);
         if let Err(source) = sink.write_all(&chunk) {
@@ -189,9 +189,7 @@ pub async fn get(
         }
         Some(_) => true,
         None => {
-            eprintln!(
-                "warning: the API sent no x-quire-sha256 header: the download is not verified"
-            );
+            eprintln!("warning: the API announced no SHA-256: the download is not verified");
             false
         }
     };
@@ -215,6 +213,7 @@ pub async fn get(
         "sha256": actual_sha256,
         "verified": verified,
         "seconds": seconds,
+        "source": source,
     });
     if to_stdout {
         // The document itself went to stdout; the summary must not mix with it.
@@ -236,6 +235,55 @@ pub async fn get(
         )
     });
     Ok(())
+}
+
+/// Where a download's bytes come from, and what they must hash to.
+struct Download {
+    response: reqwest::Response,
+    expected_sha256: Option<String>,
+    /// `s3` (a presigned URL) or `api`.
+    source: &'static str,
+    /// Where the bytes come from, for messages (a presigned URL without its
+    /// signature).
+    label: String,
+}
+
+/// Straight from S3 when the API offers a presigned URL (unless
+/// `--through-api`), else through the API. A presigned URL that does not
+/// answer (an S3 endpoint this machine cannot reach, say) falls back to the
+/// API, with a warning.
+async fn open_download(client: &ApiClient, arguments: &GetArgs) -> Result<Download, CliError> {
+    if !arguments.through_api
+        && let Some(url) = client.download_url(&arguments.report).await?
+    {
+        match client.fetch_presigned(&url).await {
+            Ok(response) => {
+                return Ok(Download {
+                    response,
+                    expected_sha256: Some(url.sha256.trim().to_ascii_lowercase()),
+                    source: "s3",
+                    label: url.redacted(),
+                });
+            }
+            Err(problem) => {
+                eprintln!(
+                    "warning: the presigned S3 URL did not work ({problem}); downloading through the API"
+                );
+            }
+        }
+    }
+    let response = client.report_content(&arguments.report).await?;
+    let expected_sha256 = response
+        .headers()
+        .get("x-quire-sha256")
+        .and_then(|value| value.to_str().ok())
+        .map(|value| value.trim().to_ascii_lowercase());
+    Ok(Download {
+        response,
+        expected_sha256,
+        source: "api",
+        label: client.url(&format!("/v1/reports/{}/content", arguments.report)),
+    })
 }
 
 /// `report.xml` downloads to `report.xml.part` and is renamed once verified.

@@ -150,6 +150,11 @@ pub enum ApiError {
     ReportContentGone { id: String, key: String },
 
     #[error(
+        "this API hands out no download URLs (api.download_url_expiry_ms is 0); GET /v1/reports/{id}/content serves the document"
+    )]
+    DownloadUrlsOff { id: String },
+
+    #[error(
         "invalid Idempotency-Key header: {0}; a key is 1 to 255 visible ASCII characters, e.g. a UUID"
     )]
     InvalidIdempotencyKey(String),
@@ -254,6 +259,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => (S::NOT_FOUND, "not_found"),
             ApiError::ReportNotFound { .. } => (S::NOT_FOUND, "report_not_found"),
             ApiError::DefinitionNotFound { .. } => (S::NOT_FOUND, "definition_not_found"),
+            ApiError::DownloadUrlsOff { .. } => (S::NOT_FOUND, "download_urls_off"),
             ApiError::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::ReportPending { .. } => (S::CONFLICT, "report_pending"),
             ApiError::IdempotencyKeyInProgress => (S::CONFLICT, "idempotency_key_in_progress"),
@@ -389,6 +395,7 @@ impl ApiError {
             }),
             ApiError::ReportNotFound { id, .. }
             | ApiError::ReportPending { id }
+            | ApiError::DownloadUrlsOff { id }
             | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
             ApiError::DefinitionNotFound { stream } => json!({"stream": stream}),
             ApiError::Forbidden {
@@ -572,6 +579,11 @@ mod tests {
                 ApiError::ReportPending { id: "s~1-2".into() },
                 409,
                 "report_pending",
+            ),
+            (
+                ApiError::DownloadUrlsOff { id: "s~1-2".into() },
+                404,
+                "download_urls_off",
             ),
             (
                 ApiError::UnsupportedMediaType {

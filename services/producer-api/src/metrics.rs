@@ -45,6 +45,7 @@ pub struct Metrics {
     array_records: Histogram,
     enqueue_seconds: Histogram,
     cuts: Counter,
+    download_urls: Counter,
     definitions: Counter,
     in_flight_bytes: Gauge,
     idempotent_replays: Counter,
@@ -119,6 +120,12 @@ impl Metrics {
         );
         let cuts = Counter::default();
         registry.register("cuts", "Cut markers published", cuts.clone());
+        let download_urls = Counter::default();
+        registry.register(
+            "download_urls",
+            "Presigned S3 URLs of report documents handed out (GET /v1/reports/{id}/url and ?redirect=true)",
+            download_urls.clone(),
+        );
         let definitions = Counter::default();
         registry.register(
             "definitions",
@@ -180,6 +187,7 @@ impl Metrics {
             array_records,
             enqueue_seconds,
             cuts,
+            download_urls,
             definitions,
         }
     }
@@ -193,6 +201,10 @@ impl Metrics {
 
     pub fn cut_published(&self) {
         self.cuts.inc();
+    }
+
+    pub fn download_url_issued(&self) {
+        self.download_urls.inc();
     }
 
     pub fn definition_published(&self) {

@@ -29,7 +29,7 @@ use crate::rate::ControlLimits;
 use crate::routes::{Access, ROUTES};
 use crate::serve::{ConnectionLimits, serve};
 use crate::state::{AppState, Services};
-use crate::storage::Storage;
+use crate::storage::{DownloadUrls, MAX_DOWNLOAD_URL_EXPIRY, Storage};
 use crate::validation::Limits;
 
 /// Why the API would not start.
@@ -57,6 +57,14 @@ pub enum StartupError {
         "api.max_in_flight_bytes ({in_flight}) is less than api.max_body_bytes ({body}): a request of the largest size allowed could never be let in"
     )]
     InFlightBelowBody { in_flight: usize, body: usize },
+    #[error(
+        "api.download_url_expiry_ms is {0}; a presigned URL lives at most 604800000 ms (7 days), or 0 turns them off"
+    )]
+    DownloadUrlExpiry(u64),
+    #[error(
+        "api.download_url_endpoint {0:?} is not an http:// or https:// URL of an S3 endpoint (scheme, host, optional port, no path or query)"
+    )]
+    DownloadUrlEndpoint(String),
     #[error("the embedded OpenAPI document is not valid YAML: {0}")]
     OpenApi(String),
     #[error(
@@ -98,6 +106,7 @@ impl Application {
             source,
         })?;
         let limits = limits(&settings)?;
+        let download_endpoint = download_endpoint(&settings)?;
         let tokens = authentication(&settings, address)?;
         openapi::check().map_err(StartupError::OpenApi)?;
 
@@ -191,6 +200,18 @@ impl Application {
         if let Err(error) = storage.check_bucket(STARTUP_S3_CHECK).await {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
+        let downloads = match download_endpoint {
+            Some(endpoint) => {
+                let mut signing = settings.s3.clone();
+                signing.endpoint = endpoint;
+                Some(DownloadUrls::new(
+                    quire_s3::build_client(&signing).await,
+                    settings.s3.bucket.clone(),
+                    Duration::from_millis(settings.api.download_url_expiry_ms),
+                ))
+            }
+            None => None,
+        };
 
         let loading = std::time::Instant::now();
         let loaded = key_log
@@ -209,6 +230,7 @@ impl Application {
             records_topic,
             publisher,
             storage,
+            downloads,
             log,
             in_flight_bytes: InFlightBytes::new(
                 settings.api.max_in_flight_bytes,
@@ -291,6 +313,38 @@ fn authentication(settings: &Settings, address: SocketAddr) -> Result<BearerToke
         tracing::warn!(%address, "authentication is off (api.allow_unauthenticated) on a non-loopback address");
     }
     Ok(tokens)
+}
+
+/// The endpoint download URLs are signed for, or None when they are off.
+fn download_endpoint(settings: &Settings) -> Result<Option<String>, StartupError> {
+    let expiry = settings.api.download_url_expiry_ms;
+    if expiry == 0 {
+        return Ok(None);
+    }
+    if Duration::from_millis(expiry) > MAX_DOWNLOAD_URL_EXPIRY {
+        return Err(StartupError::DownloadUrlExpiry(expiry));
+    }
+    let endpoint = settings.api.download_url_endpoint.trim();
+    if endpoint.is_empty() {
+        return Ok(Some(settings.s3.endpoint.clone()));
+    }
+    // Credentials in the URL are never echoed.
+    let shown = if endpoint.contains('@') {
+        "(an endpoint with credentials in it)".to_owned()
+    } else {
+        endpoint.to_owned()
+    };
+    let bad = || StartupError::DownloadUrlEndpoint(shown.clone());
+    let uri: axum::http::Uri = endpoint.parse().map_err(|_| bad())?;
+    let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+    let bare = matches!(uri.path(), "" | "/") && uri.query().is_none();
+    let host_ok = uri
+        .authority()
+        .is_some_and(|authority| !authority.host().is_empty() && !authority.as_str().contains('@'));
+    if !(scheme_ok && bare && host_ok) {
+        return Err(bad());
+    }
+    Ok(Some(endpoint.trim_end_matches('/').to_owned()))
 }
 
 fn control_limits(settings: &Settings) -> Result<ControlLimits, StartupError> {
@@ -483,6 +537,46 @@ mod tests {
                 .unwrap()
                 .enabled()
         );
+    }
+
+    #[test]
+    fn download_urls_are_off_at_0_and_bounded_to_7_days_on_a_bare_endpoint() {
+        let mut settings = quire_config::defaults();
+        assert_eq!(
+            download_endpoint(&settings).unwrap().as_deref(),
+            Some(settings.s3.endpoint.as_str()),
+            "on by default, signed for s3.endpoint"
+        );
+        settings.api.download_url_expiry_ms = 0;
+        assert!(download_endpoint(&settings).unwrap().is_none());
+        settings.api.download_url_expiry_ms = 7 * 24 * 3600 * 1000;
+        assert!(download_endpoint(&settings).unwrap().is_some());
+        settings.api.download_url_expiry_ms += 1;
+        let error = download_endpoint(&settings).err().unwrap();
+        assert!(error.to_string().contains("7 days"), "{error}");
+
+        settings.api.download_url_expiry_ms = 60_000;
+        settings.api.download_url_endpoint = "https://s3.example.com:9000/".into();
+        assert_eq!(
+            download_endpoint(&settings).unwrap().as_deref(),
+            Some("https://s3.example.com:9000")
+        );
+        for bad in [
+            "s3.example.com",
+            "ftp://s3.example.com",
+            "https://s3.example.com/bucket",
+            "https://s3.example.com/?x=1",
+            "https://user:secret@s3.example.com",
+            "not a url",
+        ] {
+            settings.api.download_url_endpoint = bad.into();
+            let error = download_endpoint(&settings).err().unwrap();
+            assert!(
+                matches!(error, StartupError::DownloadUrlEndpoint(_)),
+                "{bad}: {error}"
+            );
+            assert!(!error.to_string().contains("secret"), "{error}");
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
-use crate::storage::Storage;
+use crate::storage::{DownloadUrls, Storage};
 use crate::validation::Limits;
 
 /// The API's connections and settings, built once at start-up.
@@ -27,6 +27,8 @@ pub struct Services {
     pub records_topic: RecordsTopic,
     pub publisher: Publisher,
     pub storage: Storage,
+    /// Presigned download URLs, unless `api.download_url_expiry_ms` is 0.
+    pub downloads: Option<DownloadUrls>,
     pub log: Arc<LogReader>,
     pub metrics: Arc<Metrics>,
     /// `api.max_in_flight_bytes`.

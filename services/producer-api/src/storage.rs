@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use aws_sdk_s3::Client;
 use aws_sdk_s3::error::{DisplayErrorContext, SdkError};
+use aws_sdk_s3::presigning::PresigningConfig;
 use aws_sdk_s3::primitives::ByteStream;
 use bytes::Bytes;
 use quire_messages::layout;
@@ -122,6 +123,22 @@ impl Storage {
         }
     }
 
+    /// Whether `key` exists (HeadObject).
+    pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
+        let answer = self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await;
+        match answer {
+            Ok(_) => Ok(true),
+            Err(error) if is_not_found(&error) => Ok(false),
+            Err(error) => Err(self.call_failed("HeadObject", key, &DisplayErrorContext(&error))),
+        }
+    }
+
     pub async fn put_json(&self, key: &str, body: Vec<u8>) -> Result<(), StorageError> {
         self.client
             .put_object()
@@ -201,6 +218,86 @@ impl Storage {
             key: key.to_owned(),
             detail: error.to_string(),
         }
+    }
+}
+
+/// Presigned GET URLs of report documents, so clients download straight
+/// from S3 (`api.download_url_expiry_ms`, `api.download_url_endpoint`).
+///
+/// Signing is local (SigV4 query parameters, no call to the server), with
+/// the API's own credentials, for the endpoint clients reach: the signature
+/// covers the host, so a URL signed for the address the API uses inside a
+/// compose network would not work from outside it. A URL reads that one
+/// object until it expires, without a token: it is never logged.
+#[derive(Clone)]
+pub struct DownloadUrls {
+    client: Client,
+    bucket: String,
+    expiry: Duration,
+}
+
+/// One presigned URL and when it stops working.
+pub struct DownloadUrl {
+    pub url: String,
+    pub expires_at: std::time::SystemTime,
+}
+
+/// The longest a SigV4 presigned URL may live.
+pub const MAX_DOWNLOAD_URL_EXPIRY: Duration = Duration::from_secs(7 * 24 * 3600);
+
+impl DownloadUrls {
+    /// `client` is configured for the endpoint clients reach.
+    pub fn new(client: Client, bucket: String, expiry: Duration) -> Self {
+        DownloadUrls {
+            client,
+            bucket,
+            expiry,
+        }
+    }
+
+    pub fn expiry(&self) -> Duration {
+        self.expiry
+    }
+
+    /// A GET URL of `key`, whose answer carries `content_type` and a
+    /// `Content-Disposition` naming `file_name` (S3's `response-content-*`
+    /// overrides, part of the signature).
+    pub async fn presign(
+        &self,
+        key: &str,
+        content_type: &str,
+        file_name: &str,
+    ) -> Result<DownloadUrl, StorageError> {
+        let signed_at = std::time::SystemTime::now();
+        let config = PresigningConfig::builder()
+            .start_time(signed_at)
+            .expires_in(self.expiry)
+            .build()
+            .map_err(|error| StorageError::Call {
+                operation: "presign GetObject",
+                bucket: self.bucket.clone(),
+                key: key.to_owned(),
+                detail: error.to_string(),
+            })?;
+        let request = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .response_content_type(content_type)
+            .response_content_disposition(format!("attachment; filename=\"{file_name}\""))
+            .presigned(config)
+            .await
+            .map_err(|error| StorageError::Call {
+                operation: "presign GetObject",
+                bucket: self.bucket.clone(),
+                key: key.to_owned(),
+                detail: DisplayErrorContext(&error).to_string(),
+            })?;
+        Ok(DownloadUrl {
+            url: request.uri().to_owned(),
+            expires_at: signed_at + self.expiry,
+        })
     }
 }
 

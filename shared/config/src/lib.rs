@@ -58,6 +58,8 @@ pub struct ApiSettings {
     pub max_connections: usize,
     pub control_requests_per_minute_per_stream: u32,
     pub control_requests_per_minute_per_principal: u32,
+    pub download_url_expiry_ms: u64,
+    pub download_url_endpoint: String,
 }
 
 /// The report generator (see defaults.toml for what each key means).

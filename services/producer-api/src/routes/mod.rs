@@ -101,6 +101,13 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: "GET",
+        path: "/v1/reports/{id}/url",
+        access: Access::Token(Scope::Read),
+        admission: None,
+        handler: || get(reports::get_report_url),
+    },
+    Route {
+        method: "GET",
         path: "/healthz",
         access: Access::Open,
         admission: None,

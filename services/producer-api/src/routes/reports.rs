@@ -3,7 +3,7 @@
 use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::{StreamExt, TryStreamExt};
 use quire_messages::{CutMarker, Manifest, MessageKind, ReportId, StreamName};
@@ -150,22 +150,136 @@ async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiE
     }
 }
 
-/// `GET /v1/reports/{id}/content`: the document as stored (XML, or the gzip
-/// file of a `.xml.gz` report), streamed from S3 as it arrives (never held in
-/// memory whole).
-pub async fn get_report_content(
+/// Query of `GET /v1/reports/{id}/content`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContentQuery {
+    /// `true`: answer 307 to a presigned S3 URL of the document instead of
+    /// streaming it (when the API hands out download URLs).
+    pub redirect: Option<bool>,
+}
+
+/// A completed report's manifest, or why there is none (pending: 409).
+async fn completed_manifest(state: &AppState, id: ReportId) -> Result<Manifest, ApiError> {
+    let view = report_state(state, id).await?;
+    view.manifest.ok_or_else(|| ApiError::ReportPending {
+        id: view.report_id.to_string(),
+    })
+}
+
+/// The name a download is saved under: the report id (whose characters are
+/// fixed), never the key a definition shaped.
+fn download_name(id: &ReportId, key: &str) -> String {
+    let extension = if key.ends_with(".gz") {
+        "xml.gz"
+    } else {
+        "xml"
+    };
+    format!("{id}.{extension}")
+}
+
+/// A presigned URL of a completed report's document, once the document is
+/// known to be there (410 otherwise, as for the content route).
+async fn download_url(
+    state: &AppState,
+    downloads: &crate::storage::DownloadUrls,
+    id: &ReportId,
+    manifest: &Manifest,
+) -> Result<crate::storage::DownloadUrl, ApiError> {
+    if !state.storage.exists(&manifest.key).await? {
+        return Err(ApiError::ReportContentGone {
+            id: id.to_string(),
+            key: manifest.key.clone(),
+        });
+    }
+    let content_type = quire_messages::layout::report_content_type(&manifest.key);
+    let url = downloads
+        .presign(
+            &manifest.key,
+            content_type,
+            &download_name(id, &manifest.key),
+        )
+        .await?;
+    state.metrics.download_url_issued();
+    Ok(url)
+}
+
+/// `GET /v1/reports/{id}/url`'s answer.
+#[derive(Debug, Serialize)]
+pub struct DownloadView {
+    pub report_id: ReportId,
+    /// A GET of this URL answers the document, straight from S3, until
+    /// `expires_at`; anyone holding it can, without a token.
+    pub url: String,
+    /// RFC 3339, UTC.
+    pub expires_at: String,
+    pub expires_in_s: u64,
+    /// The manifest's size and SHA-256 of the stored object: check the
+    /// download against them.
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// `GET /v1/reports/{id}/url`: a presigned S3 GET URL of the document, so a
+/// large report downloads without passing through the API.
+pub async fn get_report_url(
     State(state): State<AppState>,
     ReportPath(id): ReportPath,
 ) -> Result<Response, ApiError> {
-    let view = report_state(&state, id).await?;
-    let Some(manifest) = view.manifest else {
-        return Err(ApiError::ReportPending {
-            id: view.report_id.to_string(),
-        });
+    let Some(downloads) = state.downloads.as_ref() else {
+        return Err(ApiError::DownloadUrlsOff { id: id.to_string() });
     };
+    let manifest = completed_manifest(&state, id.clone()).await?;
+    let url = download_url(&state, downloads, &id, &manifest).await?;
+    let view = DownloadView {
+        expires_at: aws_sdk_s3::primitives::DateTime::from(url.expires_at)
+            .fmt(aws_sdk_s3::primitives::DateTimeFormat::DateTime)
+            .map_err(|error| ApiError::Internal(error.to_string()))?,
+        expires_in_s: downloads.expiry().as_secs(),
+        report_id: id,
+        url: url.url,
+        bytes: manifest.bytes,
+        sha256: manifest.sha256,
+    };
+    let mut response = Json(view).into_response();
+    // The URL is a credential for as long as it lives: no cache keeps it.
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    Ok(response)
+}
+
+/// `GET /v1/reports/{id}/content`: the document as stored (XML, or the gzip
+/// file of a `.xml.gz` report), streamed from S3 as it arrives (never held in
+/// memory whole). With `?redirect=true`, and when the API hands out download
+/// URLs, a 307 to a presigned S3 URL of it instead; without them, the
+/// document is served as usual.
+pub async fn get_report_content(
+    State(state): State<AppState>,
+    ReportPath(id): ReportPath,
+    query: Result<Query<ContentQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
+    let manifest = completed_manifest(&state, id.clone()).await?;
+    if query.redirect == Some(true)
+        && let Some(downloads) = state.downloads.as_ref()
+    {
+        let url = download_url(&state, downloads, &id, &manifest).await?;
+        let location = HeaderValue::try_from(url.url)
+            .map_err(|error| ApiError::Internal(error.to_string()))?;
+        let mut response = Response::new(Body::empty());
+        *response.status_mut() = StatusCode::TEMPORARY_REDIRECT;
+        let headers = response.headers_mut();
+        headers.insert(header::LOCATION, location);
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Ok(digest) = HeaderValue::try_from(manifest.sha256.as_str()) {
+            headers.insert("x-quire-sha256", digest);
+        }
+        return Ok(response);
+    }
     let Some(object) = state.storage.open(&manifest.key).await? else {
         return Err(ApiError::ReportContentGone {
-            id: view.report_id.to_string(),
+            id: id.to_string(),
             key: manifest.key,
         });
     };
@@ -192,14 +306,9 @@ pub async fn get_report_content(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static("sandbox"),
     );
-    let extension = if manifest.key.ends_with(".gz") {
-        "xml.gz"
-    } else {
-        "xml"
-    };
     if let Ok(disposition) = HeaderValue::try_from(format!(
-        "attachment; filename=\"{}.{extension}\"",
-        view.report_id
+        "attachment; filename=\"{}\"",
+        download_name(&id, &manifest.key)
     )) {
         headers.insert(header::CONTENT_DISPOSITION, disposition);
     }
