@@ -770,7 +770,10 @@ async fn start_api(
     streams: usize,
 ) -> anyhow::Result<Api> {
     let mut launch = stack.api();
-    let principal = &mut launch.settings.api.control_requests_per_minute_per_principal;
+    let principal = &mut launch
+        .settings
+        .api
+        .control_requests_per_minute_per_principal;
     *principal = (*principal).max(u32::try_from(streams.saturating_mul(4)).unwrap_or(u32::MAX));
     let process = launch
         .binary(binary)
