@@ -189,6 +189,21 @@ impl ApiProcess {
         body["report_id"].as_str().expect("report id").to_owned()
     }
 
+    /// PUTs a definition; its status and body, whatever they are.
+    pub async fn try_put_definition(&self, stream: &str, definition: Value) -> (u16, Value) {
+        let response = self
+            .http
+            .put(format!("{}/v1/streams/{stream}/definition", self.base))
+            .json(&definition)
+            .send()
+            .await
+            .expect("definition request");
+        (
+            response.status().as_u16(),
+            response.json().await.unwrap_or(Value::Null),
+        )
+    }
+
     pub async fn put_definition(&self, stream: &str, definition: Value) {
         let response = self
             .http

@@ -224,6 +224,9 @@ pub struct Seen {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub payload: Vec<u8>,
+    /// The message's timestamp (the broker's append time on the records
+    /// topic).
+    pub timestamp_ms: Option<i64>,
 }
 
 /// Reads every partition of `topic` from the beginning to its end with a
@@ -272,6 +275,7 @@ pub fn read_all(
                     offset: message.offset(),
                     key: message.key().map(<[u8]>::to_vec),
                     payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    timestamp_ms: message.timestamp().to_millis(),
                 });
             }
             Some(Err(rdkafka::error::KafkaError::PartitionEOF(partition))) => {

@@ -224,18 +224,19 @@ public class StackCheck {
                 }
                 // Existing topics keep their partition count (changing it would move
                 // streams) and their retention (the operator's); their compaction
-                // bounds are brought to the spec's, so a stack made by an earlier
-                // release gets the bounds the services now check.
+                // bounds and timestamp type are brought to the spec's, so a stack
+                // made by an earlier release gets what the services now check.
                 List<AlterConfigOp> ops = new ArrayList<>();
                 for (Map.Entry<String, String> entry : topic.configs().entrySet()) {
                     String key = entry.getKey();
-                    if (key.startsWith("segment.") || key.contains("compaction") || key.contains("cleanable")) {
+                    if (key.startsWith("segment.") || key.contains("compaction") || key.contains("cleanable")
+                            || key.equals("message.timestamp.type")) {
                         ops.add(new AlterConfigOp(new ConfigEntry(key, entry.getValue()), AlterConfigOp.OpType.SET));
                     }
                 }
                 if (!ops.isEmpty()) {
                     admin.incrementalAlterConfigs(Map.of(new ConfigResource(ConfigResource.Type.TOPIC, topic.name()), ops)).all().get();
-                    System.out.println("stack-check: topic " + topic.name() + " compaction settings brought up to date");
+                    System.out.println("stack-check: topic " + topic.name() + " settings the services check brought up to date");
                 }
                 TopicDescription description = admin.describeTopics(Set.of(topic.name())).allTopicNames().get().get(topic.name());
                 int actual = description.partitions().size();

@@ -15,5 +15,6 @@ mod queue;
 mod rebalance;
 mod reports;
 mod soak;
+mod windows;
 mod worker_ops;
 mod writer;

@@ -16,8 +16,9 @@ use quire_messages::layout;
 use quire_messages::{CURRENT_VERSION, Definition, Manifest, ReportId, StreamName, Trigger};
 use std::sync::Arc;
 
+use quire_messages::window::Window;
 use quire_s3::{MemoryPool, MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
-use quire_xml::{DocumentRenderer, RenderError, Summary};
+use quire_xml::{DocumentRenderer, RenderError, Summary, SummaryWindow};
 
 use crate::WorkerError;
 
@@ -53,6 +54,8 @@ pub struct OpenDocument {
     pub opened_at: Instant,
     /// A rollover marker this worker published for it and has not read back yet.
     pub cut_requested: Option<Trigger>,
+    /// Its time window, for a windowed stream.
+    pub window: Option<DocumentWindow>,
     renderer: DocumentRenderer,
     /// Between the renderer and the writer: plain, or gzip.
     encoding: Encoding,
@@ -60,6 +63,17 @@ pub struct OpenDocument {
     /// One record's rendering, reused; appended to the writer only once the
     /// record rendered completely, so a record that fails leaves no trace.
     scratch: Vec<u8>,
+}
+
+/// The time window a document belongs to, and its place in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DocumentWindow {
+    pub window: Window,
+    /// 1 for the window's first document, then 2, ...
+    pub sequence: u32,
+    /// The window's start and end in RFC 3339 with the zone's offset.
+    pub start: String,
+    pub end: String,
 }
 
 /// A record to append.
@@ -195,6 +209,11 @@ fn compression_failed(key: &str, error: &std::io::Error) -> WorkerError {
 }
 
 impl OpenDocument {
+    /// Opens the document at `key` (see `layout::document_key`). A key
+    /// outside the default layout (a definition's key template) is one the
+    /// take-over sweep cannot tell the partition of, so an upload a dead
+    /// owner left on it is aborted here, when its document opens again.
+    #[allow(clippy::too_many_arguments)]
     pub async fn open(
         bucket: &S3Bucket,
         policy: &UploadPolicy,
@@ -202,8 +221,17 @@ impl OpenDocument {
         partition: i32,
         first_offset: i64,
         definition: &Definition,
+        key: String,
+        window: Option<DocumentWindow>,
     ) -> Result<Self, WorkerError> {
-        let key = layout::report_key(stream, partition, first_offset, definition.gzip);
+        if !layout::report_key_belongs_to(&key, partition) {
+            let aborted = bucket
+                .abort_pending_uploads_where(&key, |pending| pending == key)
+                .await?;
+            if aborted > 0 {
+                tracing::info!(key, aborted, "earlier upload of a templated key aborted");
+            }
+        }
         let renderer = DocumentRenderer::new(definition);
         let mut encoding = Encoding::for_definition(definition, bucket.memory());
         let content_type = layout::content_type_for_key(&key);
@@ -222,6 +250,7 @@ impl OpenDocument {
             records: 0,
             opened_at: Instant::now(),
             cut_requested: None,
+            window,
             renderer,
             encoding,
             writer,
@@ -322,7 +351,12 @@ impl OpenDocument {
     ) -> Result<Manifest, WorkerError> {
         self.scratch.clear();
         let report_id_text = report_id.to_string();
-        self.renderer.finish(
+        let summary_window = self.window.as_ref().map(|window| SummaryWindow {
+            start: &window.start,
+            end: &window.end,
+            sequence: window.sequence,
+        });
+        self.renderer.finish_in_window(
             &mut self.scratch,
             &Summary {
                 records: self.records,
@@ -330,6 +364,7 @@ impl OpenDocument {
                 last_offset: report_id.offset,
                 report_id: &report_id_text,
             },
+            summary_window.as_ref(),
         );
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         let uncompressed_bytes = match self.encoding {
@@ -363,8 +398,16 @@ impl OpenDocument {
             trigger,
             first_record_time_ms: self.first_record_time_ms,
             cut_time_ms,
+            window_start: self.window.as_ref().map(|window| window.start.clone()),
+            window_end: self.window.as_ref().map(|window| window.end.clone()),
+            window_sequence: self.window.as_ref().map(|window| window.sequence),
         };
-        put_manifest(bucket, &manifest).await?;
+        put_manifest(
+            bucket,
+            &manifest,
+            self.window.as_ref().map(|window| window.window),
+        )
+        .await?;
         Ok(manifest)
     }
 
@@ -416,13 +459,24 @@ pub fn memory_pool(
 /// Writes the manifest through the same writer as documents, so it gets the
 /// same per-attempt timeouts, retries and counters (a single PutObject: a
 /// manifest is far below one part).
-async fn put_manifest(bucket: &S3Bucket, manifest: &Manifest) -> Result<(), WorkerError> {
+/// A windowed report's manifest is also copied into the window index
+/// (`layout::window_index_key`), after the manifest itself.
+async fn put_manifest(
+    bucket: &S3Bucket,
+    manifest: &Manifest,
+    window: Option<Window>,
+) -> Result<(), WorkerError> {
     let body = serde_json::to_vec_pretty(manifest).expect("manifests serialise");
-    let key = layout::manifest_key(&manifest.report_id);
     let policy = UploadPolicy::for_max_object_size(body.len() as u64);
-    let mut writer = bucket.typed_writer(key, Some(layout::JSON_CONTENT_TYPE), &policy)?;
-    writer.append(&body).await?;
-    writer.finish().await?;
+    let keys =
+        std::iter::once(layout::manifest_key(&manifest.report_id)).chain(window.map(|window| {
+            layout::window_index_key(&manifest.stream, window.start_ms, &manifest.report_id)
+        }));
+    for key in keys {
+        let mut writer = bucket.typed_writer(key, Some(layout::JSON_CONTENT_TYPE), &policy)?;
+        writer.append(&body).await?;
+        writer.finish().await?;
+    }
     Ok(())
 }
 

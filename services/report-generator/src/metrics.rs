@@ -348,6 +348,7 @@ fn trigger_label(trigger: Trigger) -> &'static str {
         Trigger::Age => "age",
         Trigger::Memory => "memory",
         Trigger::Drain => "drain",
+        Trigger::Window => "window",
     }
 }
 

@@ -1,8 +1,12 @@
 //! What the worker knows about one assigned record partition.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
-use quire_messages::{CURRENT_VERSION, Definition, StreamName, Watermark};
+use quire_messages::window::{Schedule, Window};
+use quire_messages::{
+    CURRENT_VERSION, Definition, StartedWindow, StreamName, Watermark, WindowProgress,
+};
 
 use crate::document::OpenDocument;
 
@@ -21,6 +25,128 @@ pub struct StreamState {
     unpersisted_changes: Vec<(i64, Definition)>,
     /// The watermark moved since it was last written.
     watermark_moved: bool,
+    /// A windowed stream's progress through its windows.
+    pub window: Option<StreamWindow>,
+}
+
+/// Where a windowed stream is in its schedule.
+#[derive(Debug, Clone)]
+pub struct StreamWindow {
+    pub schedule: Arc<Schedule>,
+    /// Persisted with the watermark.
+    pub progress: WindowProgress,
+    /// Windows (by start) whose marker this worker published and has not
+    /// read back yet: published once each.
+    pub requested: BTreeSet<i64>,
+}
+
+impl StreamWindow {
+    /// Progress that starts at `first`, the window of the stream's first
+    /// windowed message; earlier windows are not reported.
+    fn starting_at(spec: &quire_messages::window::WindowSpec, first: Window) -> Option<Self> {
+        let schedule = spec.schedule().ok()?;
+        Some(StreamWindow {
+            schedule: Arc::new(schedule),
+            progress: WindowProgress {
+                spec: spec.clone(),
+                next_ms: first.start_ms,
+                started: Vec::new(),
+            },
+            requested: BTreeSet::new(),
+        })
+    }
+
+    fn restored(progress: WindowProgress) -> Option<Self> {
+        let schedule = progress.spec.schedule().ok()?;
+        Some(StreamWindow {
+            schedule: Arc::new(schedule),
+            progress,
+            requested: BTreeSet::new(),
+        })
+    }
+
+    /// Documents of `window` completed so far.
+    pub fn documents_in(&self, window: Window) -> u32 {
+        self.progress
+            .started
+            .iter()
+            .find(|started| started.start_ms == window.start_ms)
+            .map_or(0, |started| started.documents)
+    }
+
+    /// The earliest window a new document may belong to: log times that
+    /// went backwards (a leader whose clock is behind) never reopen a
+    /// window already done or passed.
+    pub fn floor_ms(&self) -> i64 {
+        self.progress
+            .started
+            .iter()
+            .map(|started| started.start_ms)
+            .max()
+            .unwrap_or(self.progress.next_ms)
+            .max(self.progress.next_ms)
+    }
+
+    /// Whether `window` is done or already has documents: a marker naming
+    /// it reports nothing.
+    pub fn reported(&self, window: Window) -> bool {
+        window.start_ms < self.progress.next_ms || self.documents_in(window) > 0
+    }
+
+    fn document_completed(&mut self, window: Window) {
+        if window.start_ms < self.progress.next_ms {
+            return;
+        }
+        match self
+            .progress
+            .started
+            .iter_mut()
+            .find(|started| started.start_ms == window.start_ms)
+        {
+            Some(started) => started.documents += 1,
+            None => {
+                self.progress.started.push(StartedWindow {
+                    start_ms: window.start_ms,
+                    end_ms: window.end_ms,
+                    documents: 1,
+                });
+                self.progress
+                    .started
+                    .sort_by_key(|started| started.start_ms);
+            }
+        }
+    }
+
+    /// Marks done every window that ended by log time `time_ms` and needs
+    /// nothing more: those with documents, and (under `skip_empty`) those
+    /// without. A window without documents otherwise waits for its marker
+    /// (its empty report), and so do the windows after it. `open` is the
+    /// stream's open document's window, never done here (it is completed
+    /// first). Returns whether anything changed.
+    fn settle(&mut self, time_ms: i64, open: Option<Window>) -> bool {
+        let before = self.progress.next_ms;
+        if self.schedule.skip_empty() {
+            let current = self.schedule.window_of(time_ms).start_ms;
+            let bound = open.map_or(current, |window| window.start_ms.min(current));
+            if bound > self.progress.next_ms {
+                self.progress.next_ms = bound;
+            }
+        } else {
+            loop {
+                let window = self.schedule.window_of(self.progress.next_ms);
+                if window.end_ms > time_ms || open == Some(window) || self.documents_in(window) == 0
+                {
+                    break;
+                }
+                self.progress.next_ms = window.end_ms;
+            }
+        }
+        let next = self.progress.next_ms;
+        self.progress
+            .started
+            .retain(|started| started.start_ms >= next);
+        self.progress.next_ms != before
+    }
 }
 
 /// An assigned partition: its streams, its open documents, how far it is read.
@@ -32,6 +158,12 @@ pub struct PartitionState {
     pub next_to_read: Option<i64>,
     /// The offset last committed for this partition by this worker.
     pub committed: Option<i64>,
+    /// The latest log time read on this partition (ms): windows that ended
+    /// by then are closed.
+    pub time_ms: Option<i64>,
+    /// The window ends of open windowed documents, earliest first (entries
+    /// of documents completed otherwise are dropped when reached).
+    pub window_ends: BTreeSet<(i64, StreamName)>,
 }
 
 impl PartitionState {
@@ -49,6 +181,7 @@ impl PartitionState {
                         persisted_definition: watermark.definition,
                         unpersisted_changes: Vec::new(),
                         watermark_moved: false,
+                        window: watermark.window.and_then(StreamWindow::restored),
                     },
                 )
             })
@@ -59,6 +192,67 @@ impl PartitionState {
             open: BTreeMap::new(),
             next_to_read: None,
             committed: None,
+            time_ms: None,
+            window_ends: BTreeSet::new(),
+        }
+    }
+
+    /// Notes the log time of a message read.
+    pub fn observe_time(&mut self, time_ms: Option<i64>) {
+        if let Some(time_ms) = time_ms {
+            self.time_ms = Some(self.time_ms.map_or(time_ms, |seen| seen.max(time_ms)));
+        }
+    }
+
+    /// The stream's window progress under `definition`, started at the
+    /// window of `time_ms` if the stream has none yet. `None` for an
+    /// unwindowed definition, or one whose schedule differs from the
+    /// progress kept (a replay reading messages from before a definition
+    /// change: the change itself resets the progress).
+    pub fn window_progress(
+        &mut self,
+        stream: &StreamName,
+        definition: &Definition,
+        time_ms: i64,
+    ) -> Option<&mut StreamWindow> {
+        let spec = definition.window.as_ref()?;
+        let state = self.stream(stream);
+        if state.window.is_none() {
+            let schedule = spec.schedule().ok()?;
+            state.window = StreamWindow::starting_at(spec, schedule.window_of(time_ms));
+            state.watermark_moved = true;
+        }
+        state
+            .window
+            .as_mut()
+            .filter(|window| window.progress.spec == *spec)
+    }
+
+    /// A windowed document of `stream` for `window` was completed.
+    pub fn window_document_completed(&mut self, stream: &StreamName, window: Window) {
+        let state = self.stream(stream);
+        if let Some(progress) = &mut state.window {
+            progress.document_completed(window);
+            state.watermark_moved = true;
+        }
+    }
+
+    /// Settles the windows of `stream` that ended by the partition's log
+    /// time (see [`StreamWindow::settle`]).
+    pub fn settle_windows(&mut self, stream: &StreamName) {
+        let Some(time_ms) = self.time_ms else {
+            return;
+        };
+        let open = self
+            .open
+            .get(stream)
+            .and_then(|document| document.window.as_ref())
+            .map(|window| window.window);
+        let state = self.stream(stream);
+        if let Some(progress) = &mut state.window
+            && progress.settle(time_ms, open)
+        {
+            state.watermark_moved = true;
         }
     }
 
@@ -76,13 +270,39 @@ impl PartitionState {
 
     pub fn change_definition(&mut self, stream: &StreamName, offset: i64, definition: Definition) {
         let state = self.stream(stream);
+        let same_schedule = match (&state.window, &definition.window) {
+            (Some(window), Some(spec)) => window.progress.spec == *spec,
+            (None, _) => true,
+            (Some(_), None) => false,
+        };
+        if !same_schedule {
+            // Another schedule starts afresh at its first message; windows
+            // of the old one not reported yet are not reported.
+            state.window = None;
+            state.watermark_moved = true;
+        }
         state.definition = definition.clone();
         state.unpersisted_changes.push((offset, definition));
     }
 
+    /// A report of `stream` ending at `marker_offset` was completed. The
+    /// watermark never passes the stream's open document: an empty window's
+    /// report may be keyed by a marker that landed after a later window's
+    /// document opened (the window's progress keeps that report from being
+    /// made twice).
     pub fn report_completed(&mut self, stream: &StreamName, marker_offset: i64) {
+        let open_before = self
+            .open
+            .get(stream)
+            .is_some_and(|document| document.first_offset <= marker_offset);
         let state = self.stream(stream);
-        state.watermark = Some(marker_offset);
+        if !open_before {
+            state.watermark = Some(
+                state
+                    .watermark
+                    .map_or(marker_offset, |mark| mark.max(marker_offset)),
+            );
+        }
         state.watermark_moved = true;
     }
 
@@ -138,6 +358,7 @@ impl PartitionState {
                     partition,
                     offset: state.watermark,
                     definition: in_force_at_commit,
+                    window: state.window.as_ref().map(|window| window.progress.clone()),
                 },
             ));
         }
@@ -179,6 +400,121 @@ mod tests {
         assert_eq!(written.len(), 1);
         assert_eq!(written[0].1.definition, Some(renamed));
         assert!(state.watermarks_to_write(7).is_empty(), "written once");
+    }
+
+    fn windowed(skip_empty: bool) -> Definition {
+        Definition {
+            window: Some(quire_messages::window::WindowSpec {
+                every: "10s".into(),
+                time_zone: "UTC".into(),
+                grace: "1s".into(),
+                skip_empty,
+            }),
+            ..Definition::default()
+        }
+    }
+
+    fn window(start_s: i64) -> Window {
+        Window {
+            start_ms: start_s * 1000,
+            end_ms: (start_s + 10) * 1000,
+        }
+    }
+
+    #[test]
+    fn a_window_is_done_once_its_documents_are_and_an_empty_one_waits_for_its_marker() {
+        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let orders = stream("orders");
+        let definition = windowed(false);
+        // The first message, at 5 s: windows start at [0, 10).
+        let progress = state.window_progress(&orders, &definition, 5_000).unwrap();
+        assert_eq!(progress.progress.next_ms, 0);
+        state.window_document_completed(&orders, window(0));
+        state.observe_time(Some(12_000));
+        state.settle_windows(&orders);
+        let progress = state.stream(&orders).window.clone().unwrap();
+        assert_eq!(
+            progress.progress.next_ms, 10_000,
+            "[0, 10) had a document: done"
+        );
+        // [10, 20) has nothing; a document of [20, 30) completes first.
+        state.window_document_completed(&orders, window(20));
+        state.observe_time(Some(31_000));
+        state.settle_windows(&orders);
+        let progress = state.stream(&orders).window.clone().unwrap();
+        assert_eq!(
+            progress.progress.next_ms, 10_000,
+            "the empty window waits for its marker"
+        );
+        assert!(!progress.reported(window(10)));
+        assert!(progress.reported(window(20)) && progress.reported(window(0)));
+        // Its marker's empty report: then both are done.
+        state.window_document_completed(&orders, window(10));
+        state.settle_windows(&orders);
+        let progress = state.stream(&orders).window.clone().unwrap();
+        assert_eq!(progress.progress.next_ms, 30_000);
+        assert!(progress.progress.started.is_empty());
+        // Persisted with the watermark, and restored from it.
+        let written = state.watermarks_to_write(0);
+        let restored = PartitionState::from_watermarks(
+            0,
+            HashMap::from([(orders.clone(), written[0].1.clone())]),
+        );
+        assert_eq!(
+            restored.streams[&orders].window.as_ref().unwrap().progress,
+            progress.progress
+        );
+    }
+
+    #[test]
+    fn skip_empty_passes_quiet_windows_without_markers() {
+        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let orders = stream("orders");
+        state
+            .window_progress(&orders, &windowed(true), 5_000)
+            .unwrap();
+        state.observe_time(Some(95_000));
+        state.settle_windows(&orders);
+        let progress = state.stream(&orders).window.clone().unwrap();
+        assert_eq!(progress.progress.next_ms, 90_000);
+    }
+
+    #[test]
+    fn another_schedule_starts_afresh() {
+        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let orders = stream("orders");
+        state
+            .window_progress(&orders, &windowed(false), 5_000)
+            .unwrap();
+        state.change_definition(&orders, 7, windowed(false));
+        assert!(
+            state.stream(&orders).window.is_some(),
+            "same schedule: kept"
+        );
+        state.change_definition(&orders, 8, windowed(true));
+        assert!(
+            state.stream(&orders).window.is_none(),
+            "another schedule: reset"
+        );
+        state
+            .window_progress(&orders, &windowed(true), 50_000)
+            .unwrap();
+        assert!(
+            state
+                .window_progress(&orders, &windowed(false), 60_000)
+                .is_none(),
+            "a message read again from before the change does not take the new progress"
+        );
+        assert_eq!(
+            state
+                .stream(&orders)
+                .window
+                .as_ref()
+                .unwrap()
+                .progress
+                .next_ms,
+            50_000
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ use quire_s3::{S3Bucket, UploadPolicy};
 use tokio_util::sync::CancellationToken;
 
 use crate::WorkerError;
-use crate::document::{Appended, OpenDocument, RecordInput};
+use crate::document::{Appended, DocumentWindow, OpenDocument, RecordInput};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
@@ -48,6 +48,18 @@ const ONE_RECORD_ROOM: u64 = 16 * 1024 * 1024;
 /// summary element, and under gzip what the compressor still holds and its
 /// trailer.
 const CLOSING_ROOM: u64 = 1024 * 1024;
+
+/// The most window markers one array's transaction publishes: a stream idle
+/// for many windows gets its empty reports over several arrays.
+const WINDOW_MARKERS_PER_ARRAY: usize = 200;
+
+/// The worker's clock, in ms since the epoch: only for deciding when to
+/// publish a window's marker, never written into a report.
+fn wall_clock_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64)
+}
 
 /// Serve until stopped, or drain what is queued and exit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -324,6 +336,7 @@ impl Worker {
                 outbox.tag_new(message.partition);
             }
             self.decide_timed_rollovers(&mut outbox);
+            self.publish_window_markers(&mut outbox);
             outbox.tag_new_by_target();
             if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records {
                 // The seed's exits (a short array or an empty wait) mean
@@ -530,7 +543,11 @@ impl Worker {
             );
             return Ok(());
         };
-        let result = process_message(&self.context, state, message, outbox).await;
+        state.observe_time(message.timestamp_ms);
+        let result = match close_ended_windows(&self.context, state, outbox).await {
+            Ok(()) => process_message(&self.context, state, message, outbox).await,
+            Err(error) => Err(error),
+        };
         state.mark_read(message.offset);
         result
     }
@@ -582,6 +599,63 @@ impl Worker {
                 tracing::info!(partition, %stream, bytes, "memory budget reached: cutting");
                 request_cut(&self.context.topics, document, Trigger::Memory, outbox);
                 total = total.saturating_sub(bytes);
+            }
+        }
+    }
+
+    /// Publishes the markers of windows that a worker's clock says ended
+    /// more than their grace ago and that no message of the log closed:
+    /// the open document's window, and (unless the definition skips empty
+    /// windows) each window of the stream without documents, so an idle
+    /// stream is still reported. Each marker once, until read back; at most
+    /// [`WINDOW_MARKERS_PER_ARRAY`] in one transaction.
+    fn publish_window_markers(&mut self, outbox: &mut Outbox) {
+        let now = wall_clock_ms();
+        let mut budget = WINDOW_MARKERS_PER_ARRAY;
+        for state in self.partitions.values_mut() {
+            let partition = state.partition;
+            for (stream, stream_state) in &mut state.streams {
+                let Some(progress) = &mut stream_state.window else {
+                    continue;
+                };
+                let grace = progress.schedule.grace_ms();
+                let open = state
+                    .open
+                    .get(stream)
+                    .and_then(|document| document.window.as_ref())
+                    .map(|window| window.window);
+                let mut due = Vec::new();
+                if let Some(window) = open
+                    && window.end_ms.saturating_add(grace) <= now
+                {
+                    due.push(window);
+                }
+                if !progress.schedule.skip_empty() {
+                    let mut window = progress.schedule.window_of(progress.progress.next_ms);
+                    let mut looked = 0;
+                    while window.end_ms.saturating_add(grace) <= now
+                        && looked < WINDOW_MARKERS_PER_ARRAY
+                    {
+                        if Some(window) != open && !progress.reported(window) {
+                            due.push(window);
+                        }
+                        window = progress.schedule.next(window);
+                        looked += 1;
+                    }
+                }
+                for window in due {
+                    if budget == 0 {
+                        return;
+                    }
+                    if !progress.requested.insert(window.start_ms) {
+                        continue;
+                    }
+                    budget -= 1;
+                    let marker = records::cut(stream, &CutMarker::window(window));
+                    outbox.messages.push(
+                        on_topic(&self.context.topics.records, marker).to_partition(partition),
+                    );
+                }
             }
         }
     }
@@ -824,6 +898,9 @@ async fn process_message(
                     );
                 }
             };
+            if let Some(window) = marker.window {
+                return window_marker(context, state, &stream, message, window, outbox).await;
+            }
             let open_first_offset = state
                 .open
                 .get(&stream)
@@ -839,7 +916,16 @@ async fn process_message(
             let document = match state.open.remove(&stream) {
                 Some(document) => document,
                 // A cut with nothing new: an empty report, keyed by the marker.
-                None => open_document(context, state, &stream, message.offset).await?,
+                None => {
+                    open_document(
+                        context,
+                        state,
+                        &stream,
+                        message.offset,
+                        message.timestamp_ms,
+                    )
+                    .await?
+                }
             };
             complete_document(
                 context,
@@ -880,7 +966,13 @@ async fn append_record(
     let limit = context.record_limit;
     loop {
         if !state.open.contains_key(stream) {
-            let document = open_document(context, state, stream, message.offset).await?;
+            let document =
+                open_document(context, state, stream, message.offset, message.timestamp_ms).await?;
+            if let Some(window) = &document.window {
+                state
+                    .window_ends
+                    .insert((window.window.end_ms, stream.clone()));
+            }
             state.open.insert(stream.clone(), document);
         }
         let document = state.open.get_mut(stream).expect("opened above");
@@ -972,6 +1064,7 @@ async fn complete_document(
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
     let stream = document.stream.clone();
+    let window = document.window.as_ref().map(|window| window.window);
     let report_id = ReportId {
         stream: stream.clone(),
         partition: state.partition,
@@ -989,18 +1082,65 @@ async fn complete_document(
     ));
     outbox.reports.push(trigger);
     state.report_completed(&stream, last_offset);
+    if let Some(window) = window {
+        state.window_document_completed(&stream, window);
+        state.settle_windows(&stream);
+    }
     Ok(())
 }
 
 /// Opens `stream`'s document at `first_offset` with the definition in force
 /// now: its key and its rendering are fixed from here on.
+///
+/// A windowed stream's document belongs to the window of its first
+/// message's log time (never one before the windows already done or
+/// started), and is its window's next document in sequence. Its key, under a
+/// key template, takes its date and hour from the window's start in the
+/// window's zone, or from the first message's log time in UTC.
 async fn open_document(
     context: &Context,
     state: &mut PartitionState,
     stream: &StreamName,
     first_offset: i64,
+    time_ms: Option<i64>,
 ) -> Result<OpenDocument, WorkerError> {
     let definition = state.stream(stream).definition.clone();
+    let time_ms = time_ms.unwrap_or_default();
+    let mut hour = quire_messages::window::utc_civil_hour(time_ms);
+    let mut window = None;
+    if let Some(spec) = &definition.window {
+        let (schedule, floor, documents) = match state.window_progress(stream, &definition, time_ms)
+        {
+            Some(progress) => {
+                let floor = progress.floor_ms();
+                let window = progress.schedule.window_of(time_ms.max(floor));
+                (
+                    Arc::clone(&progress.schedule),
+                    floor,
+                    progress.documents_in(window),
+                )
+            }
+            // A message from before a definition change, read again by a
+            // replay: its own schedule, outside the progress kept.
+            None => match spec.schedule() {
+                Ok(schedule) => (Arc::new(schedule), i64::MIN, 0),
+                Err(error) => {
+                    return Err(WorkerError::Config(format!(
+                        "stream {stream}: a definition in the log has an invalid window: {error}"
+                    )));
+                }
+            },
+        };
+        let of = schedule.window_of(time_ms.max(floor));
+        hour = schedule.civil_hour(of.start_ms);
+        window = Some(DocumentWindow {
+            window: of,
+            sequence: documents + 1,
+            start: schedule.format(of.start_ms),
+            end: schedule.format(of.end_ms),
+        });
+    }
+    let key = layout::document_key(stream, state.partition, first_offset, &definition, hour);
     OpenDocument::open(
         &context.bucket,
         &context.policy,
@@ -1008,6 +1148,121 @@ async fn open_document(
         state.partition,
         first_offset,
         &definition,
+        key,
+        window,
+    )
+    .await
+}
+
+/// Completes, at their last record, the windowed documents of the partition
+/// whose window ended by the partition's log time: a document ends at the
+/// first message of its partition at or past its window's end, whatever
+/// stream that message is of. Decided from the log alone, so every replay
+/// cuts at the same record.
+async fn close_ended_windows(
+    context: &Context,
+    state: &mut PartitionState,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    let Some(now) = state.time_ms else {
+        return Ok(());
+    };
+    while let Some((end, _)) = state.window_ends.first()
+        && *end <= now
+    {
+        let (end, stream) = state.window_ends.pop_first().expect("first exists");
+        let ended = state
+            .open
+            .get(&stream)
+            .and_then(|document| document.window.as_ref())
+            .is_some_and(|window| window.window.end_ms == end);
+        if !ended {
+            continue;
+        }
+        let document = state.open.remove(&stream).expect("checked above");
+        // A document opened by a record that went to the dead letters holds
+        // none: it ends where it began.
+        let last = document.last_record_offset.unwrap_or(document.first_offset);
+        complete_inline(context, state, document, last, Trigger::Window, outbox).await?;
+    }
+    Ok(())
+}
+
+/// A marker closing `window` of `stream` (published by a worker once its
+/// clock passed the window's end plus grace). Every document whose window
+/// ended is already completed by then (the marker's log time is past the
+/// end); what is left is a window without documents: it gets its empty
+/// report here, keyed by the marker, unless the definition skips empty
+/// windows. A marker for a window already done or reported (another
+/// owner's, or a replay's) is ignored.
+async fn window_marker(
+    context: &Context,
+    state: &mut PartitionState,
+    stream: &StreamName,
+    message: &InMessage,
+    window: quire_messages::window::Window,
+    outbox: &mut Outbox,
+) -> Result<(), WorkerError> {
+    state.settle_windows(stream);
+    let time_ms = message.timestamp_ms.unwrap_or_default();
+    let Some(progress) = state.stream(stream).window.as_mut() else {
+        tracing::debug!(%stream, offset = message.offset, "window marker of a stream without windows ignored");
+        return Ok(());
+    };
+    progress.requested.remove(&window.start_ms);
+    if progress.schedule.window_of(window.start_ms) != window {
+        tracing::debug!(%stream, offset = message.offset, "window marker of another schedule ignored");
+        return Ok(());
+    }
+    if progress.reported(window) || progress.schedule.skip_empty() {
+        return Ok(());
+    }
+    if time_ms < window.end_ms {
+        // The broker's clock is behind the worker's by more than the
+        // grace: records of the window may still come after this marker.
+        tracing::warn!(
+            %stream,
+            offset = message.offset,
+            window_end_ms = window.end_ms,
+            log_time_ms = time_ms,
+            "window marker landed before its window ended by log time; ignored (another is published later)"
+        );
+        return Ok(());
+    }
+    let schedule = Arc::clone(&progress.schedule);
+    let documents = progress.documents_in(window);
+    let definition = state.stream(stream).definition.clone();
+    let key = layout::document_key(
+        stream,
+        state.partition,
+        message.offset,
+        &definition,
+        schedule.civil_hour(window.start_ms),
+    );
+    let document = OpenDocument::open(
+        &context.bucket,
+        &context.policy,
+        stream,
+        state.partition,
+        message.offset,
+        &definition,
+        key,
+        Some(DocumentWindow {
+            window,
+            sequence: documents + 1,
+            start: schedule.format(window.start_ms),
+            end: schedule.format(window.end_ms),
+        }),
+    )
+    .await?;
+    complete_document(
+        context,
+        state,
+        document,
+        message.offset,
+        message.timestamp_ms,
+        Trigger::Window,
+        outbox,
     )
     .await
 }

@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::CURRENT_VERSION;
+use crate::key_template::{self, TemplateError};
+use crate::window::{WindowError, WindowSpec};
 
 /// How a stream's records are rendered. Published as a control message on
 /// the stream's key; a document uses the definition in force at its first
@@ -37,6 +39,16 @@ pub struct Definition {
     /// plain XML under a `.xml.gz` key.
     #[serde(default, skip_serializing_if = "is_false")]
     pub gzip: bool,
+    /// Reports per time window of the log (see [`crate::window`]): a
+    /// document ends at the first message of its partition at or past its
+    /// window's end, and a window nothing closed gets a marker once a
+    /// worker's clock passes its end plus `grace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<WindowSpec>,
+    /// The S3 key of each document (see [`crate::key_template`]), instead of
+    /// `reports/{stream}/{partition}-{first_offset}.xml`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_template: Option<String>,
 }
 
 fn is_false(flag: &bool) -> bool {
@@ -67,6 +79,8 @@ impl Default for Definition {
             attributes: BTreeSet::new(),
             renames: BTreeMap::new(),
             gzip: false,
+            window: None,
+            key_template: None,
         }
     }
 }
@@ -103,20 +117,30 @@ pub enum DefinitionError {
         second: String,
         name: String,
     },
+    #[error(transparent)]
+    Window(#[from] WindowError),
+    #[error(transparent)]
+    KeyTemplate(#[from] TemplateError),
 }
 
 impl Definition {
     /// The first version with `gzip`: readers that know only version 1 must
     /// refuse a definition that compresses.
     pub const GZIP_VERSION: u32 = 2;
+    /// The first version with `window` and `key_template`: readers that do
+    /// not know them must refuse such a definition rather than report by
+    /// arrival or store under the default keys.
+    pub const WINDOW_VERSION: u32 = 3;
     /// The newest definition version this release reads.
-    pub const NEWEST_VERSION: u32 = Definition::GZIP_VERSION;
+    pub const NEWEST_VERSION: u32 = Definition::WINDOW_VERSION;
 
     /// The version to publish this definition with: the oldest that holds
-    /// everything it asks for, so definitions without gzip stay readable by
-    /// every release.
+    /// everything it asks for, so definitions without gzip, windows or key
+    /// templates stay readable by every release.
     pub fn required_version(&self) -> u32 {
-        if self.gzip {
+        if self.window.is_some() || self.key_template.is_some() {
+            Definition::WINDOW_VERSION
+        } else if self.gzip {
             Definition::GZIP_VERSION
         } else {
             CURRENT_VERSION
@@ -149,6 +173,12 @@ impl Definition {
             if unusable {
                 return Err(DefinitionError::InvalidNamespace(namespace.clone()));
             }
+        }
+        if let Some(window) = &self.window {
+            window.schedule()?;
+        }
+        if let Some(template) = &self.key_template {
+            key_template::validate(template, self.gzip)?;
         }
         Ok(())
     }
@@ -241,8 +271,8 @@ mod tests {
         };
         let read: Definition = crate::decode("definition", &crate::encode(&published)).unwrap();
         assert!(read.gzip);
-        let error = crate::decode::<Definition>("definition", br#"{"v":3}"#).unwrap_err();
-        assert!(error.to_string().contains("version 3"), "{error}");
+        let error = crate::decode::<Definition>("definition", br#"{"v":4}"#).unwrap_err();
+        assert!(error.to_string().contains("version 4"), "{error}");
     }
 
     #[test]

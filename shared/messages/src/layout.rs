@@ -3,7 +3,9 @@
 //!
 //! - `reports/{stream}/{partition:05}-{first_offset:020}.xml` (`.xml.gz`
 //!   when the definition asks for gzip): one document, keyed by where it
-//!   begins in the log, zero-padded so keys sort in log order;
+//!   begins in the log, zero-padded so keys sort in log order; a
+//!   definition's `key_template` places it elsewhere under `reports/`
+//!   ([`document_key`]);
 //! - `manifests/{report_id}.json`: what a report holds, written after its
 //!   document, so a manifest always names a complete object;
 //! - `definitions/{stream}.json`: the API's readable copy of a stream's
@@ -12,7 +14,9 @@
 //! quire-s3 knows none of this: its callers give it keys, content types and
 //! retention prefixes from here.
 
-use crate::{ReportId, StreamName};
+use crate::key_template::{self, KeyParts};
+use crate::window::CivilHour;
+use crate::{Definition, ReportId, StreamName};
 
 /// Where documents live.
 pub const REPORTS_PREFIX: &str = "reports/";
@@ -21,9 +25,15 @@ pub const MANIFESTS_PREFIX: &str = "manifests/";
 /// Where the API keeps definitions' readable copies.
 pub const DEFINITIONS_PREFIX: &str = "definitions/";
 
+/// Where windowed reports are indexed by window: a copy of each manifest
+/// under `windows/{stream}/{window_start_ms:020}/{report_id}.json`, so a
+/// window's reports are one listing away however long the stream.
+pub const WINDOWS_PREFIX: &str = "windows/";
+
 /// What retention deletes, in the order it deletes: a report before its
-/// manifest (a manifest never names a deleted report before it goes too).
-pub const RETENTION_PREFIXES: [&str; 2] = [REPORTS_PREFIX, MANIFESTS_PREFIX];
+/// manifest (a manifest never names a deleted report before it goes too),
+/// then the window index's copies.
+pub const RETENTION_PREFIXES: [&str; 3] = [REPORTS_PREFIX, MANIFESTS_PREFIX, WINDOWS_PREFIX];
 
 /// The media type of a plain report.
 pub const XML_CONTENT_TYPE: &str = "application/xml";
@@ -39,6 +49,33 @@ pub const JSON_CONTENT_TYPE: &str = "application/json";
 pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: bool) -> String {
     let extension = if gzip { "xml.gz" } else { "xml" };
     format!("{REPORTS_PREFIX}{stream}/{partition:05}-{first_offset:020}.{extension}")
+}
+
+/// A document's S3 key under its definition: the definition's
+/// `key_template` rendered with `hour` (the window's start in its zone, or
+/// the first message's log time in UTC), or [`report_key`].
+pub fn document_key(
+    stream: &StreamName,
+    partition: i32,
+    first_offset: i64,
+    definition: &Definition,
+    hour: CivilHour,
+) -> String {
+    match &definition.key_template {
+        Some(template) => key_template::render(
+            template,
+            &KeyParts {
+                stream: stream.as_str(),
+                year: hour.year,
+                month: hour.month,
+                day: hour.day,
+                hour: hour.hour,
+                partition,
+                first_offset,
+            },
+        ),
+        None => report_key(stream, partition, first_offset, definition.gzip),
+    }
 }
 
 /// Whether `key` is a document of record partition `partition` (of any
@@ -62,6 +99,20 @@ pub fn manifest_key(id: &ReportId) -> String {
 /// The prefix under which a stream's manifests are listed.
 pub fn manifest_prefix(stream: &StreamName) -> String {
     format!("{MANIFESTS_PREFIX}{stream}~")
+}
+
+/// The prefix under which the reports of `stream`'s window starting at
+/// `window_start_ms` are indexed.
+pub fn window_index_prefix(stream: &StreamName, window_start_ms: i64) -> String {
+    // Log times are after 1970: a negative start is written as 0 (no
+    // window of a log can start there).
+    let start = window_start_ms.max(0);
+    format!("{WINDOWS_PREFIX}{stream}/{start:020}/")
+}
+
+/// Where a windowed report's manifest copy is indexed.
+pub fn window_index_key(stream: &StreamName, window_start_ms: i64, id: &ReportId) -> String {
+    format!("{}{id}.json", window_index_prefix(stream, window_start_ms))
 }
 
 /// Where the API keeps the readable copy of a stream's definition.
@@ -129,6 +180,14 @@ mod tests {
         assert_eq!(manifest_key(&id), "manifests/orders~3-1042.json");
         assert!(manifest_key(&id).starts_with(&manifest_prefix(&orders())));
         assert_eq!(definition_key(&orders()), "definitions/orders.json");
+        assert_eq!(
+            window_index_key(&orders(), 1_764_720_000_000, &id),
+            "windows/orders/00000001764720000000/orders~3-1042.json"
+        );
+        assert!(
+            window_index_key(&orders(), 1_764_720_000_000, &id)
+                .starts_with(&window_index_prefix(&orders(), 1_764_720_000_000))
+        );
     }
 
     #[test]

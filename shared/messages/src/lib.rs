@@ -20,10 +20,12 @@
 //! Everything that decides a document's content is in that log.
 
 mod definition;
+pub mod key_template;
 pub mod layout;
 mod names;
 pub mod records;
 mod report;
+pub mod window;
 
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +34,10 @@ pub use definition::{
     is_xml_name_start_char,
 };
 pub use names::{ReportId, StreamName, StreamNameError};
-pub use report::{DeadLetter, Manifest, ReportEvent, ReportEventKind, Trigger, Watermark};
+pub use report::{
+    DeadLetter, Manifest, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
+    WindowProgress,
+};
 
 /// The version this release writes.
 pub const CURRENT_VERSION: u32 = 1;
@@ -92,6 +97,12 @@ pub struct CutMarker {
     /// First offset of the document this marker cuts, for worker markers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub document: Option<i64>,
+    /// The time window this marker closes (trigger `window`): published once
+    /// a worker's clock passes the window's end plus its grace, so that an
+    /// idle stream's window is reported too. Its own log time is past the
+    /// window's end, so it lands after every record of the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<window::Window>,
 }
 
 impl CutMarker {
@@ -100,6 +111,7 @@ impl CutMarker {
             v: CURRENT_VERSION,
             trigger: Trigger::Api,
             document: None,
+            window: None,
         }
     }
 
@@ -108,6 +120,17 @@ impl CutMarker {
             v: CURRENT_VERSION,
             trigger,
             document: Some(document_first_offset),
+            window: None,
+        }
+    }
+
+    /// The marker that closes `window` of a windowed stream.
+    pub fn window(window: window::Window) -> Self {
+        CutMarker {
+            v: CURRENT_VERSION,
+            trigger: Trigger::Window,
+            document: None,
+            window: Some(window),
         }
     }
 }
@@ -168,7 +191,8 @@ macro_rules! versioned {
 }
 versioned!(CutMarker, ReportEvent, Watermark, DeadLetter, Manifest);
 
-/// Definitions gained `gzip` in version 2 ([`Definition::GZIP_VERSION`]).
+/// Definitions gained `gzip` in version 2 ([`Definition::GZIP_VERSION`]), and
+/// `window` and `key_template` in version 3 ([`Definition::WINDOW_VERSION`]).
 impl Versioned for Definition {
     const NEWEST_VERSION: u32 = Definition::NEWEST_VERSION;
 

@@ -20,6 +20,9 @@ pub enum Trigger {
     Memory,
     /// The worker drained everything queued before it exits.
     Drain,
+    /// The document's time window ended (a later message of its partition,
+    /// or the window's marker, is at or past the window's end).
+    Window,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +50,17 @@ pub struct ReportEvent {
     pub bytes: u64,
     pub sha256: String,
     pub trigger: Trigger,
+    /// Start of the report's time window, for a windowed stream (RFC 3339
+    /// with the zone's offset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_start: Option<String>,
+    /// End of the report's time window (exclusive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_end: Option<String>,
+    /// The document's place in its window: 1, then 2, ... when cuts or
+    /// rollovers split the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_sequence: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
@@ -68,6 +82,9 @@ impl ReportEvent {
             bytes: manifest.bytes,
             sha256: manifest.sha256.clone(),
             trigger: manifest.trigger,
+            window_start: manifest.window_start.clone(),
+            window_end: manifest.window_end.clone(),
+            window_sequence: manifest.window_sequence,
             reason: None,
         }
     }
@@ -88,6 +105,34 @@ pub struct Watermark {
     /// replay from there does not see the definition messages before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub definition: Option<Definition>,
+    /// A windowed stream's progress through its windows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<WindowProgress>,
+}
+
+/// How far a windowed stream is through its windows: every window before
+/// `next_ms` is reported (or skipped, under `skip_empty`); `started` lists
+/// the later windows that already have completed documents. Written with
+/// the watermark in the transaction that commits those reports, so a replay
+/// neither reports a window twice nor forgets one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowProgress {
+    /// The schedule this progress follows; a definition with another one
+    /// starts afresh.
+    pub spec: crate::window::WindowSpec,
+    /// Start of the first window not yet done (ms since the epoch).
+    pub next_ms: i64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub started: Vec<StartedWindow>,
+}
+
+/// A window at or after [`WindowProgress::next_ms`] with completed documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartedWindow {
+    pub start_ms: i64,
+    pub end_ms: i64,
+    /// Documents of the window completed so far.
+    pub documents: u32,
 }
 
 /// A record that cannot be rendered, on `quire.dead-letters`, keyed by
@@ -172,6 +217,17 @@ pub struct Manifest {
     /// Log timestamp of the cut marker (ms since the epoch).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_time_ms: Option<i64>,
+    /// Start of the report's time window, for a windowed stream (RFC 3339
+    /// with the zone's offset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_start: Option<String>,
+    /// End of the report's time window (exclusive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_end: Option<String>,
+    /// The document's place in its window: 1, then 2, ... when cuts or
+    /// rollovers split the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_sequence: Option<u32>,
 }
 
 #[cfg(test)]

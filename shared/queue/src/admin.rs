@@ -42,6 +42,13 @@ pub const WATERMARK_COMPACTION: &[(&str, &str)] = &[
     ("max.compaction.lag.ms", "600000"),
 ];
 
+/// The topic setting that says whose clock a message's timestamp is.
+pub const TIMESTAMP_TYPE: &str = "message.timestamp.type";
+/// The broker's, at append: the records topic's, so that time windows are
+/// cut by the log (timestamps that never go backwards on a partition), not
+/// by producers' clocks.
+pub const LOG_APPEND_TIME: &str = "LogAppendTime";
+
 /// The project's topics, per DESIGN.md.
 pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
     let spec = |name: &str, partitions: i32, config: &[(&str, String)]| TopicSpec {
@@ -57,7 +64,10 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
         spec(
             &names.records,
             12,
-            &[("retention.ms", SEVEN_DAYS_MS.to_string())],
+            &[
+                ("retention.ms", SEVEN_DAYS_MS.to_string()),
+                (TIMESTAMP_TYPE, LOG_APPEND_TIME.to_owned()),
+            ],
         ),
         spec(
             &names.watermarks,
@@ -201,6 +211,19 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
                 spec.name
             )));
         }
+        // Time windows are cut by the broker's append time.
+        if let Some((_, expected)) = spec.config.iter().find(|(key, _)| key == TIMESTAMP_TYPE) {
+            let actual = config
+                .get(TIMESTAMP_TYPE)
+                .and_then(|entry| entry.value.clone())
+                .unwrap_or_default();
+            if actual != *expected {
+                return Err(QueueError::TopicMismatch(format!(
+                    "topic {} has {TIMESTAMP_TYPE}={actual}, expected {expected} (time windows are cut by the broker's append time); set it with: kafka-configs.sh --bootstrap-server ... --alter --entity-type topics --entity-name {} --add-config {TIMESTAMP_TYPE}={expected}",
+                    spec.name, spec.name
+                )));
+            }
+        }
         // The compaction bounds may be tightened, never loosened: a looser
         // one lets a take-over read unbounded history.
         for (key, bound) in &spec.config {
@@ -258,6 +281,12 @@ mod tests {
             );
         }
         let records = specs.iter().find(|spec| spec.name == "r").unwrap();
+        assert!(
+            records
+                .config
+                .contains(&(TIMESTAMP_TYPE.to_owned(), LOG_APPEND_TIME.to_owned())),
+            "windows are cut by the broker's time"
+        );
         assert!(
             records
                 .config

@@ -118,7 +118,7 @@ pub use clean::is_clean_record;
 pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
 pub use render::{
-    DocumentRenderer, NESTED_ARRAY_ITEM_ELEMENT, Summary, XML_SCHEMA_INSTANCE_NAMESPACE,
-    check_definition,
+    DocumentRenderer, NESTED_ARRAY_ITEM_ELEMENT, Summary, SummaryWindow,
+    XML_SCHEMA_INSTANCE_NAMESPACE, check_definition,
 };
 pub use stream::render_fields;

@@ -40,6 +40,15 @@ pub struct Summary<'a> {
     pub report_id: &'a str,
 }
 
+/// The time window of a windowed stream's document, for its summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SummaryWindow<'a> {
+    /// RFC 3339 with the zone's offset.
+    pub start: &'a str,
+    pub end: &'a str,
+    pub sequence: u32,
+}
+
 /// Renders documents of one definition. Everything the definition decides
 /// (names, renames, which fields are attributes) is worked out once here, so
 /// that rendering a record only walks the record.
@@ -180,12 +189,29 @@ impl DocumentRenderer {
     /// Writes the summary element and the root end tag: the document is
     /// complete after this.
     pub fn finish(&self, out: &mut Vec<u8>, summary: &Summary<'_>) {
+        self.finish_in_window(out, summary, None);
+    }
+
+    /// [`finish`](Self::finish) for a document of a time window: the
+    /// summary also names the window and the document's sequence in it
+    /// (`window-start`, `window-end`, `window-sequence`).
+    pub fn finish_in_window(
+        &self,
+        out: &mut Vec<u8>,
+        summary: &Summary<'_>,
+        window: Option<&SummaryWindow<'_>>,
+    ) {
         out.push(b'<');
         out.extend_from_slice(SUMMARY_ELEMENT.as_bytes());
         write_number_attribute(out, "records", summary.records);
         write_number_attribute(out, "first-offset", summary.first_offset);
         write_number_attribute(out, "last-offset", summary.last_offset);
         write_document_attribute(out, "report-id", summary.report_id);
+        if let Some(window) = window {
+            write_document_attribute(out, "window-start", window.start);
+            write_document_attribute(out, "window-end", window.end);
+            write_number_attribute(out, "window-sequence", window.sequence);
+        }
         out.extend_from_slice(b"/>\n");
         out.extend_from_slice(&self.document_end);
     }

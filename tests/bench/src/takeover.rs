@@ -117,6 +117,7 @@ async fn write_watermarks(
                     partition: 0,
                     offset: Some(index as i64),
                     definition: None,
+                    window: None,
                 };
                 OutMessage::new(
                     topic,

@@ -194,6 +194,20 @@ mod tests {
     }
 
     #[test]
+    fn a_window_or_key_template_is_published_as_version_3() {
+        let windowed =
+            parse_definition(br#"{"window":{"every":"1h","time_zone":"Europe/Paris"}}"#).unwrap();
+        assert_eq!(windowed.v, Definition::WINDOW_VERSION);
+        let window = windowed.window.unwrap();
+        assert_eq!((window.grace.as_str(), window.skip_empty), ("30s", false));
+        let keyed = parse_definition(
+            br#"{"gzip":true,"key_template":"reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml.gz"}"#,
+        )
+        .unwrap();
+        assert_eq!(keyed.v, Definition::WINDOW_VERSION);
+    }
+
+    #[test]
     fn unknown_fields_bad_names_and_newer_versions_are_422() {
         for body in [
             &br#"{"rot":"orders"}"#[..],
@@ -201,8 +215,12 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
-            br#"{"v":3,"gzip":true}"#,
+            br#"{"v":4,"gzip":true}"#,
             br#"{"gzip":"yes"}"#,
+            br#"{"window":{"every":"7m"}}"#,
+            br#"{"window":{"every":"1d","time_zone":"Europe/Pariss"}}"#,
+            br#"{"window":{"every":"1d","zone":"UTC"}}"#,
+            br#"{"key_template":"reports/{stream}.xml"}"#,
         ] {
             let error = parse_definition(body).unwrap_err();
             assert!(

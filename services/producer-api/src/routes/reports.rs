@@ -332,6 +332,9 @@ pub struct ListQuery {
     pub limit: Option<u32>,
     /// The `continuation` of the previous page.
     pub continuation: Option<String>,
+    /// Only the reports of the time window starting then (RFC 3339 with an
+    /// offset, as `window_start` in manifests): a windowed stream's index.
+    pub window_start: Option<String>,
 }
 
 const DEFAULT_PAGE: u32 = 100;
@@ -350,7 +353,8 @@ pub struct ReportPage {
 
 /// `GET /v1/streams/{stream}/reports`: the stream's completed reports, from
 /// their manifests, a page at a time. Pending reports have no manifest yet
-/// and are not listed. Within a page, reports are in log order.
+/// and are not listed. Within a page, reports are in log order. With
+/// `?window_start=`, only that window's reports, from the window index.
 pub async fn list_reports(
     State(state): State<AppState>,
     StreamPath(stream): StreamPath,
@@ -363,7 +367,14 @@ pub async fn list_reports(
             "limit is {limit}; it must be between 1 and {MAX_PAGE}"
         )));
     }
-    let prefix = quire_messages::layout::manifest_prefix(&stream);
+    let prefix = match &query.window_start {
+        Some(start) => {
+            let start_ms = quire_messages::window::parse_time(start)
+                .map_err(|reason| ApiError::InvalidQuery(format!("window_start: {reason}")))?;
+            quire_messages::layout::window_index_prefix(&stream, start_ms)
+        }
+        None => quire_messages::layout::manifest_prefix(&stream),
+    };
     let page = state
         .storage
         .list_keys(&prefix, limit as i32, query.continuation)

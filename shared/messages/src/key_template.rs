@@ -1,0 +1,785 @@
+//! Key templates: where a stream's documents land in the bucket.
+//!
+//! A definition may replace the default layout (see [`crate::layout`]) with
+//! a template such as
+//! `reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml`
+//! (a Hive-style layout). The API checks it with [`validate`] when a client
+//! puts the definition, answering 422 with the error's message, so every
+//! message names the problem and says what is allowed; the worker fills it in
+//! with [`render`] when it opens a document, so a key never changes once its
+//! document exists.
+//!
+//! A template is accepted when:
+//! 1. it is not empty and at most [`MAX_TEMPLATE_BYTES`] bytes long;
+//! 2. it starts with `reports/`: retention and the take-over sweep look for
+//!    documents only there;
+//! 3. it ends with `.xml`, or `.xml.gz` when the definition stores gzip: the
+//!    extension is how readers tell a document's media type;
+//! 4. its placeholders are `{name}` with `name` one of [`PLACEHOLDERS`]; an
+//!    unknown name, a `{` without its `}`, a stray `}` or a `{` inside a
+//!    placeholder is refused;
+//! 5. it contains `{partition}` and `{first_offset}`: where a document begins
+//!    in the log is unique and known when it opens, so keys never collide
+//!    (not even across streams) and never move;
+//! 6. outside placeholders it holds only ASCII letters, digits and
+//!    `/ . _ - =`: characters that need no escaping in S3 keys, URLs or
+//!    shells;
+//! 7. no path segment is empty (`//`), `.` or `..`, which tools and clients
+//!    collapse or resolve, so such a key could not be addressed as written
+//!    (a placeholder counts as content: none renders empty);
+//! 8. the longest key it can render, with a stream name of
+//!    [`StreamName::MAX_LENGTH`] bytes and the other placeholders at their
+//!    fixed widths, fits in S3's 1024 bytes.
+//!
+//! Numbers are zero-padded to fixed widths (`{partition}` to 5 digits,
+//! `{first_offset}` to 20, like the default layout) so that the keys of one
+//! partition sort in log order.
+
+use std::fmt;
+
+use crate::StreamName;
+use crate::layout::REPORTS_PREFIX;
+
+/// The placeholders a template may use.
+pub const PLACEHOLDERS: [&str; 7] = [
+    "stream",
+    "yyyy",
+    "mm",
+    "dd",
+    "hh",
+    "partition",
+    "first_offset",
+];
+
+/// Longest template accepted, in bytes.
+pub const MAX_TEMPLATE_BYTES: usize = 512;
+
+/// S3's limit on the length of a key, in bytes.
+const MAX_KEY_BYTES: usize = 1024;
+
+/// Why a template is refused. Each message names the problem and what is
+/// allowed instead: the API returns it to the client as is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    #[error(
+        "key_template is empty; give a key such as reports/{{stream}}/{{partition}}-{{first_offset}}.xml"
+    )]
+    Empty,
+    #[error("key_template is {length} bytes long; at most {MAX_TEMPLATE_BYTES} are allowed")]
+    TooLong { length: usize },
+    #[error(
+        "key_template must start with {REPORTS_PREFIX} (retention and the take-over sweep look for documents only under {REPORTS_PREFIX})"
+    )]
+    OutsideReports,
+    #[error(
+        "key_template must end with {}, since the definition has gzip: {gzip}",
+        extension(*.gzip)
+    )]
+    WrongExtension { gzip: bool },
+    #[error(
+        "key_template has an unknown placeholder {{{name}}}; use {}",
+        placeholder_list()
+    )]
+    UnknownPlaceholder { name: String },
+    #[error(
+        "key_template has a '{{' at offset {at} that is never closed; write placeholders as {{name}}"
+    )]
+    UnclosedBrace { at: usize },
+    #[error(
+        "key_template has a '{{' at offset {inner} inside the placeholder opened at offset {at}; placeholders do not nest"
+    )]
+    NestedBrace { at: usize, inner: usize },
+    #[error(
+        "key_template has a '}}' at offset {at} that closes no placeholder; write placeholders as {{name}}"
+    )]
+    StrayBrace { at: usize },
+    #[error(
+        "key_template must contain {{partition}} and {{first_offset}} (they keep every key unique and fixed when its document opens); it has no {missing}"
+    )]
+    MissingPlaceholder { missing: &'static str },
+    #[error(
+        "key_template contains {character:?} at offset {at}; outside placeholders only ASCII letters, digits and '/', '.', '_', '-', '=' are allowed"
+    )]
+    BadCharacter { character: char, at: usize },
+    #[error(
+        "key_template has an empty path segment (\"//\") at offset {at}; every segment between two '/' must hold something"
+    )]
+    EmptySegment { at: usize },
+    #[error(
+        "key_template has the path segment {segment:?} at offset {at}; segments \".\" and \"..\" are resolved away by many clients, so such keys could not be addressed"
+    )]
+    DotSegment { segment: &'static str, at: usize },
+    #[error(
+        "key_template can render keys of up to {longest} bytes (with a stream name of {} bytes); S3 keys are at most {MAX_KEY_BYTES}",
+        StreamName::MAX_LENGTH
+    )]
+    KeyTooLong { longest: usize },
+}
+
+/// The extension a definition's documents need.
+fn extension(gzip: bool) -> &'static str {
+    if gzip { ".xml.gz" } else { ".xml" }
+}
+
+/// `{stream}, {yyyy}, …`: the allowed placeholders, for messages.
+fn placeholder_list() -> String {
+    PLACEHOLDERS.map(|name| format!("{{{name}}}")).join(", ")
+}
+
+/// What a document's key is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyParts<'a> {
+    pub stream: &'a str,
+    /// `{yyyy}`, 4 digits zero-padded.
+    pub year: i16,
+    /// `{mm}`, 2 digits.
+    pub month: i8,
+    /// `{dd}`, 2 digits.
+    pub day: i8,
+    /// `{hh}`, 2 digits.
+    pub hour: i8,
+    /// `{partition}`: 5 digits zero-padded, as in the default layout.
+    pub partition: i32,
+    /// `{first_offset}`: 20 digits zero-padded, so keys sort in log order.
+    pub first_offset: i64,
+}
+
+/// Checks a template; `gzip` is whether the definition stores gzip
+/// (`.xml.gz`). The rules, in the order they are checked, are in the
+/// module's documentation.
+pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
+    if template.is_empty() {
+        return Err(TemplateError::Empty);
+    }
+    if template.len() > MAX_TEMPLATE_BYTES {
+        return Err(TemplateError::TooLong {
+            length: template.len(),
+        });
+    }
+    if !template.starts_with(REPORTS_PREFIX) {
+        return Err(TemplateError::OutsideReports);
+    }
+    if !template.ends_with(extension(gzip)) {
+        return Err(TemplateError::WrongExtension { gzip });
+    }
+
+    let mut has_partition = false;
+    let mut has_first_offset = false;
+    let mut longest = 0;
+    let mut segment = Segment::starting_at(0);
+    for piece in Pieces::new(template) {
+        let (at, piece) = piece?;
+        match piece {
+            Piece::Literal(text) => {
+                for (index, character) in text.char_indices() {
+                    let at = at + index;
+                    if !is_literal_char(character) {
+                        return Err(TemplateError::BadCharacter { character, at });
+                    }
+                    if character == '/' {
+                        segment.close(at)?;
+                        segment = Segment::starting_at(at + 1);
+                    } else {
+                        segment.push(character);
+                    }
+                }
+                longest += text.len();
+            }
+            Piece::Placeholder(placeholder) => {
+                has_partition |= placeholder == Placeholder::Partition;
+                has_first_offset |= placeholder == Placeholder::FirstOffset;
+                segment.has_other = true;
+                longest += placeholder.max_width();
+            }
+        }
+    }
+    segment.close(template.len())?;
+
+    let missing = match (has_partition, has_first_offset) {
+        (true, true) => None,
+        (false, true) => Some("{partition}"),
+        (true, false) => Some("{first_offset}"),
+        (false, false) => Some("{partition} or {first_offset}"),
+    };
+    if let Some(missing) = missing {
+        return Err(TemplateError::MissingPlaceholder { missing });
+    }
+    if longest > MAX_KEY_BYTES {
+        return Err(TemplateError::KeyTooLong { longest });
+    }
+    Ok(())
+}
+
+/// The key of a document; `template` must have passed [`validate`].
+///
+/// Rendering never fails: should an unchecked template hold a malformed or
+/// unknown placeholder, the text from there on is copied as written.
+pub fn render(template: &str, parts: &KeyParts<'_>) -> String {
+    Rendered { template, parts }.to_string()
+}
+
+/// Whether `character` may appear outside placeholders.
+fn is_literal_char(character: char) -> bool {
+    character.is_ascii_alphanumeric() || matches!(character, '/' | '.' | '_' | '-' | '=')
+}
+
+/// The path segment being read, as much of it as rule 7 needs.
+struct Segment {
+    start: usize,
+    dots: usize,
+    has_other: bool,
+}
+
+impl Segment {
+    fn starting_at(start: usize) -> Self {
+        Segment {
+            start,
+            dots: 0,
+            has_other: false,
+        }
+    }
+
+    fn push(&mut self, character: char) {
+        if character == '.' {
+            self.dots += 1;
+        } else {
+            self.has_other = true;
+        }
+    }
+
+    /// Ends the segment at `end` (its closing `/`, or the template's end).
+    fn close(&self, end: usize) -> Result<(), TemplateError> {
+        if self.has_other {
+            return Ok(());
+        }
+        let at = self.start;
+        match self.dots {
+            0 => Err(TemplateError::EmptySegment { at: end }),
+            1 => Err(TemplateError::DotSegment { segment: ".", at }),
+            2 => Err(TemplateError::DotSegment { segment: "..", at }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One of [`PLACEHOLDERS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placeholder {
+    Stream,
+    Year,
+    Month,
+    Day,
+    Hour,
+    Partition,
+    FirstOffset,
+}
+
+impl Placeholder {
+    fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "stream" => Placeholder::Stream,
+            "yyyy" => Placeholder::Year,
+            "mm" => Placeholder::Month,
+            "dd" => Placeholder::Day,
+            "hh" => Placeholder::Hour,
+            "partition" => Placeholder::Partition,
+            "first_offset" => Placeholder::FirstOffset,
+            _ => return None,
+        })
+    }
+
+    /// The most bytes it renders to.
+    fn max_width(self) -> usize {
+        match self {
+            Placeholder::Stream => StreamName::MAX_LENGTH,
+            Placeholder::Year => 4,
+            Placeholder::Month | Placeholder::Day | Placeholder::Hour => 2,
+            Placeholder::Partition => 5,
+            Placeholder::FirstOffset => 20,
+        }
+    }
+
+    fn write(self, parts: &KeyParts<'_>, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placeholder::Stream => formatter.write_str(parts.stream),
+            Placeholder::Year => write!(formatter, "{:04}", parts.year),
+            Placeholder::Month => write!(formatter, "{:02}", parts.month),
+            Placeholder::Day => write!(formatter, "{:02}", parts.day),
+            Placeholder::Hour => write!(formatter, "{:02}", parts.hour),
+            Placeholder::Partition => write!(formatter, "{:05}", parts.partition),
+            Placeholder::FirstOffset => write!(formatter, "{:020}", parts.first_offset),
+        }
+    }
+}
+
+/// A run of a template: text copied as is, or a placeholder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Piece<'a> {
+    Literal(&'a str),
+    Placeholder(Placeholder),
+}
+
+/// A template's pieces with their byte offsets, in order. After a syntax
+/// error it stops, leaving `rest` at the offending brace.
+struct Pieces<'a> {
+    rest: &'a str,
+    at: usize,
+    failed: bool,
+}
+
+impl<'a> Pieces<'a> {
+    fn new(template: &'a str) -> Self {
+        Pieces {
+            rest: template,
+            at: 0,
+            failed: false,
+        }
+    }
+
+    /// Moves past the first `length` bytes, yielding `piece`.
+    fn advance(&mut self, length: usize, piece: Piece<'a>) -> (usize, Piece<'a>) {
+        let at = self.at;
+        self.rest = &self.rest[length..];
+        self.at += length;
+        (at, piece)
+    }
+
+    /// Reads the placeholder `rest` starts with (at a `{`).
+    fn placeholder(&mut self) -> Result<(usize, Piece<'a>), TemplateError> {
+        let at = self.at;
+        let body = &self.rest[1..];
+        let end = body
+            .find(['{', '}'])
+            .ok_or(TemplateError::UnclosedBrace { at })?;
+        if body[end..].starts_with('{') {
+            return Err(TemplateError::NestedBrace {
+                at,
+                inner: at + 1 + end,
+            });
+        }
+        let name = &body[..end];
+        let placeholder =
+            Placeholder::from_name(name).ok_or_else(|| TemplateError::UnknownPlaceholder {
+                name: name.to_owned(),
+            })?;
+        Ok(self.advance(end + 2, Piece::Placeholder(placeholder)))
+    }
+}
+
+impl<'a> Iterator for Pieces<'a> {
+    type Item = Result<(usize, Piece<'a>), TemplateError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed || self.rest.is_empty() {
+            return None;
+        }
+        let item = match self.rest.find(['{', '}']) {
+            None => Ok(self.advance(self.rest.len(), Piece::Literal(self.rest))),
+            Some(0) if self.rest.starts_with('}') => Err(TemplateError::StrayBrace { at: self.at }),
+            Some(0) => self.placeholder(),
+            Some(brace) => Ok(self.advance(brace, Piece::Literal(&self.rest[..brace]))),
+        };
+        self.failed = item.is_err();
+        Some(item)
+    }
+}
+
+/// A template filled in, written piece by piece.
+struct Rendered<'t, 'p> {
+    template: &'t str,
+    parts: &'p KeyParts<'p>,
+}
+
+impl fmt::Display for Rendered<'_, '_> {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut pieces = Pieces::new(self.template);
+        for piece in pieces.by_ref() {
+            match piece {
+                Ok((_, Piece::Literal(text))) => formatter.write_str(text)?,
+                Ok((_, Piece::Placeholder(placeholder))) => {
+                    placeholder.write(self.parts, formatter)?;
+                }
+                Err(_) => break,
+            }
+        }
+        formatter.write_str(pieces.rest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HIVE: &str = "reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml";
+
+    fn parts(partition: i32, first_offset: i64) -> KeyParts<'static> {
+        KeyParts {
+            stream: "orders",
+            year: 2026,
+            month: 3,
+            day: 29,
+            hour: 5,
+            partition,
+            first_offset,
+        }
+    }
+
+    /// The template's error, checking its message names `needle`.
+    fn refused(template: &str, gzip: bool, needle: &str) -> TemplateError {
+        let error = validate(template, gzip).expect_err(template);
+        let message = error.to_string();
+        assert!(message.starts_with("key_template "), "{message}");
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        error
+    }
+
+    #[test]
+    fn placeholders_match_their_names() {
+        for name in PLACEHOLDERS {
+            assert!(Placeholder::from_name(name).is_some(), "{name}");
+        }
+        assert_eq!(
+            placeholder_list(),
+            "{stream}, {yyyy}, {mm}, {dd}, {hh}, {partition}, {first_offset}"
+        );
+    }
+
+    #[test]
+    fn the_hive_example_renders_as_documented() {
+        assert_eq!(validate(HIVE, false), Ok(()));
+        assert_eq!(
+            render(HIVE, &parts(3, 42)),
+            "reports/orders/dt=2026-03-29/00003-00000000000000000042.xml"
+        );
+        let hourly = "reports/{stream}/{yyyy}/{mm}/{dd}/{hh}/{partition}-{first_offset}.xml";
+        assert_eq!(validate(hourly, false), Ok(()));
+        assert_eq!(
+            render(hourly, &parts(3, 42)),
+            "reports/orders/2026/03/29/05/00003-00000000000000000042.xml"
+        );
+    }
+
+    #[test]
+    fn the_default_layout_is_a_valid_template() {
+        let template = "reports/{stream}/{partition}-{first_offset}.xml.gz";
+        assert_eq!(validate(template, true), Ok(()));
+        let stream = StreamName::new("orders").unwrap();
+        assert_eq!(
+            render(template, &parts(3, 42)),
+            crate::layout::report_key(&stream, 3, 42, true)
+        );
+    }
+
+    #[test]
+    fn empty_and_overlong_templates_are_refused() {
+        assert_eq!(refused("", false, "empty"), TemplateError::Empty);
+        let long = format!(
+            "reports/{}/{{partition}}-{{first_offset}}.xml",
+            "a".repeat(MAX_TEMPLATE_BYTES)
+        );
+        assert_eq!(
+            refused(&long, false, "at most 512"),
+            TemplateError::TooLong { length: long.len() }
+        );
+        let longest = format!(
+            "reports/{}/{{partition}}-{{first_offset}}.xml",
+            "a".repeat(MAX_TEMPLATE_BYTES - 39)
+        );
+        assert_eq!(longest.len(), MAX_TEMPLATE_BYTES);
+        assert_eq!(validate(&longest, false), Ok(()));
+    }
+
+    #[test]
+    fn templates_outside_reports_are_refused() {
+        for template in [
+            "{stream}/{partition}-{first_offset}.xml",
+            "report/{partition}-{first_offset}.xml",
+            "/reports/{partition}-{first_offset}.xml",
+            "Reports/{partition}-{first_offset}.xml",
+            "manifests/{partition}-{first_offset}.xml",
+        ] {
+            assert_eq!(
+                refused(template, false, "must start with reports/"),
+                TemplateError::OutsideReports
+            );
+        }
+        assert!(
+            TemplateError::OutsideReports
+                .to_string()
+                .contains("take-over sweep")
+        );
+    }
+
+    #[test]
+    fn the_extension_follows_gzip() {
+        let plain = "reports/{partition}-{first_offset}.xml";
+        let compressed = "reports/{partition}-{first_offset}.xml.gz";
+        assert_eq!(validate(plain, false), Ok(()));
+        assert_eq!(validate(compressed, true), Ok(()));
+        assert_eq!(
+            refused(plain, true, "must end with .xml.gz"),
+            TemplateError::WrongExtension { gzip: true }
+        );
+        assert_eq!(
+            refused(compressed, false, "must end with .xml,"),
+            TemplateError::WrongExtension { gzip: false }
+        );
+        for template in [
+            "reports/{partition}-{first_offset}",
+            "reports/{partition}-{first_offset}.json",
+            "reports/{partition}-{first_offset}.XML",
+            "reports/{partition}-{first_offset}/",
+        ] {
+            assert_eq!(
+                refused(template, false, "gzip: false"),
+                TemplateError::WrongExtension { gzip: false }
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_placeholders_are_named() {
+        let error = refused(
+            "reports/{date}/{partition}-{first_offset}.xml",
+            false,
+            "unknown placeholder {date}; use {stream}, {yyyy}, {mm}, {dd}, {hh}, {partition}, {first_offset}",
+        );
+        assert_eq!(
+            error,
+            TemplateError::UnknownPlaceholder {
+                name: "date".to_owned()
+            }
+        );
+        for (template, name) in [
+            ("reports/{}/{partition}-{first_offset}.xml", ""),
+            ("reports/{Stream}/{partition}-{first_offset}.xml", "Stream"),
+            (
+                "reports/{ stream }/{partition}-{first_offset}.xml",
+                " stream ",
+            ),
+            (
+                "reports/{stream/x}/{partition}-{first_offset}.xml",
+                "stream/x",
+            ),
+        ] {
+            assert_eq!(
+                refused(template, false, &format!("{{{name}}}")),
+                TemplateError::UnknownPlaceholder {
+                    name: name.to_owned()
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn unbalanced_and_nested_braces_are_refused() {
+        assert_eq!(
+            refused(
+                "reports/{partition}-{first_offset.xml",
+                false,
+                "never closed"
+            ),
+            TemplateError::UnclosedBrace { at: 20 }
+        );
+        assert_eq!(
+            refused(
+                "reports/{stream/{partition}-{first_offset}.xml",
+                false,
+                "do not nest"
+            ),
+            TemplateError::NestedBrace { at: 8, inner: 16 }
+        );
+        assert_eq!(
+            refused(
+                "reports/{{stream}}/{partition}-{first_offset}.xml",
+                false,
+                "do not nest"
+            ),
+            TemplateError::NestedBrace { at: 8, inner: 9 }
+        );
+        assert_eq!(
+            refused(
+                "reports/stream}/{partition}-{first_offset}.xml",
+                false,
+                "closes no placeholder"
+            ),
+            TemplateError::StrayBrace { at: 14 }
+        );
+        assert_eq!(
+            refused(
+                "reports/{partition}}-{first_offset}.xml",
+                false,
+                "'}' at offset 19"
+            ),
+            TemplateError::StrayBrace { at: 19 }
+        );
+    }
+
+    #[test]
+    fn partition_and_first_offset_are_required() {
+        assert_eq!(
+            refused(
+                "reports/{stream}/{partition}.xml",
+                false,
+                "it has no {first_offset}"
+            ),
+            TemplateError::MissingPlaceholder {
+                missing: "{first_offset}"
+            }
+        );
+        assert_eq!(
+            refused(
+                "reports/{stream}/{first_offset}.xml",
+                false,
+                "it has no {partition}"
+            ),
+            TemplateError::MissingPlaceholder {
+                missing: "{partition}"
+            }
+        );
+        let error = refused(
+            "reports/{stream}/{yyyy}.xml",
+            false,
+            "it has no {partition} or {first_offset}",
+        );
+        assert!(error.to_string().contains("unique"), "{error}");
+        // Written as plain text, they are not placeholders.
+        refused(
+            "reports/partition-first_offset.xml",
+            false,
+            "must contain {partition}",
+        );
+    }
+
+    #[test]
+    fn literal_characters_are_restricted() {
+        for (template, character, at) in [
+            ("reports/{stream} {partition}-{first_offset}.xml", ' ', 16),
+            ("reports/%7B/{partition}-{first_offset}.xml", '%', 8),
+            ("reports/é/{partition}-{first_offset}.xml", 'é', 8),
+            ("reports/a+b/{partition}-{first_offset}.xml", '+', 9),
+            ("reports/a\\b/{partition}-{first_offset}.xml", '\\', 9),
+            ("reports/a\nb/{partition}-{first_offset}.xml", '\n', 9),
+            ("reports/~/{partition}-{first_offset}.xml", '~', 8),
+        ] {
+            assert_eq!(
+                refused(template, false, &format!("{character:?}")),
+                TemplateError::BadCharacter { character, at }
+            );
+        }
+        refused(
+            "reports/a b/{partition}-{first_offset}.xml",
+            false,
+            "contains ' ' at offset 9; outside placeholders only",
+        );
+        let every_allowed = "reports/AZaz09_-=.x/{partition}-{first_offset}.xml";
+        assert_eq!(validate(every_allowed, false), Ok(()));
+    }
+
+    #[test]
+    fn empty_and_dot_segments_are_refused() {
+        assert_eq!(
+            refused(
+                "reports//{partition}-{first_offset}.xml",
+                false,
+                "empty path segment"
+            ),
+            TemplateError::EmptySegment { at: 8 }
+        );
+        assert_eq!(
+            refused(
+                "reports/{stream}//{partition}-{first_offset}.xml",
+                false,
+                "\"//\""
+            ),
+            TemplateError::EmptySegment { at: 17 }
+        );
+        assert_eq!(
+            refused("reports/./{partition}-{first_offset}.xml", false, "\".\""),
+            TemplateError::DotSegment {
+                segment: ".",
+                at: 8
+            }
+        );
+        assert_eq!(
+            refused(
+                "reports/{stream}/../{partition}-{first_offset}.xml",
+                false,
+                "\"..\""
+            ),
+            TemplateError::DotSegment {
+                segment: "..",
+                at: 17
+            }
+        );
+        // Dots beside other content, or placeholders, make a proper segment.
+        for template in [
+            "reports/.{stream}/{partition}-{first_offset}.xml",
+            "reports/..{yyyy}/{partition}-{first_offset}.xml",
+            "reports/v1.2/{partition}-{first_offset}.xml",
+            "reports/.../{partition}-{first_offset}.xml",
+            "reports/{stream}/{partition}/{first_offset}.xml",
+        ] {
+            assert_eq!(validate(template, false), Ok(()), "{template}");
+        }
+    }
+
+    #[test]
+    fn keys_longer_than_s3_allows_are_refused() {
+        // Eight stream names: 8 + 8 * 128 + 5 + 1 + 20 + 4 bytes.
+        let template = format!(
+            "reports/{}{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(8)
+        );
+        assert_eq!(
+            refused(&template, false, "1062 bytes"),
+            TemplateError::KeyTooLong { longest: 1062 }
+        );
+        // Seven fit: 934 bytes.
+        let template = format!(
+            "reports/{}{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(7)
+        );
+        assert_eq!(validate(&template, false), Ok(()));
+        // Exactly 1024 bytes: seven streams and 90 more literal bytes.
+        let template = format!(
+            "reports/{}{}{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(7),
+            "a".repeat(90)
+        );
+        assert_eq!(validate(&template, false), Ok(()));
+        let template = format!(
+            "reports/{}{}{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(7),
+            "a".repeat(91)
+        );
+        assert_eq!(
+            refused(&template, false, "S3 keys are at most 1024"),
+            TemplateError::KeyTooLong { longest: 1025 }
+        );
+    }
+
+    #[test]
+    fn keys_are_unique_and_sort_in_log_order() {
+        let first = render(HIVE, &parts(3, 42));
+        assert_ne!(first, render(HIVE, &parts(4, 42)));
+        assert_ne!(first, render(HIVE, &parts(3, 43)));
+        assert_ne!(render(HIVE, &parts(1, 23)), render(HIVE, &parts(12, 3)));
+        let offsets = [0, 9, 10, 99, 100, 1_000_000, 42_000_000_000, i64::MAX];
+        let keys: Vec<String> = offsets
+            .iter()
+            .map(|&offset| render(HIVE, &parts(3, offset)))
+            .collect();
+        assert!(keys.is_sorted(), "{keys:#?}");
+        assert!(keys.iter().all(|key| key.len() == keys[0].len()));
+    }
+
+    #[test]
+    fn an_unchecked_template_renders_without_panicking() {
+        assert_eq!(
+            render("reports/{partition}/{date}/{stream}.xml", &parts(3, 42)),
+            "reports/00003/{date}/{stream}.xml"
+        );
+        assert_eq!(render("", &parts(3, 42)), "");
+    }
+}
