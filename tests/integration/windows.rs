@@ -257,6 +257,19 @@ async fn windows_hold_every_record_of_their_log_time_once_through_a_kill_and_a_r
         );
     }
 
+    // A templated report downloads straight from S3 by plain HTTP.
+    let (id, report) = reports_of(&observed, &keyed)[0];
+    let (status, body) = api.get(&format!("/v1/reports/{id}/url")).await;
+    assert_eq!(status, 200, "{body}");
+    let url = body["url"].as_str().expect("a presigned URL");
+    let response = reqwest::get(url).await.expect("GET the presigned URL");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(
+        response.bytes().await.unwrap().as_ref(),
+        report.document.as_slice(),
+        "{id}: the presigned URL serves the templated key's bytes"
+    );
+
     // A window's reports, found through the API's window index.
     let (_, with_records) = reports_of(&observed, &plain)
         .into_iter()
@@ -291,6 +304,23 @@ async fn windows_hold_every_record_of_their_log_time_once_through_a_kill_and_a_r
         ))
         .await;
     assert_eq!(status, 400, "{body}");
+    // The CLI's `quire list --window-start` asks the same.
+    let output = std::process::Command::new(quire_tests::release_binary("quire"))
+        .args(["--api", &api.base, "--json", "list", "--stream", &plain])
+        .args(["--window-start", &window_start])
+        .env_remove("QUIRE_API_TOKEN")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run quire");
+    assert!(output.status.success(), "{output:?}");
+    let listed: Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let listed: BTreeSet<&str> = listed["reports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|report| report["report_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, expected, "quire list --window-start");
 
     // A replay through another group, into another bucket, cuts at the same
     // records: the same keys and the same bytes.

@@ -158,6 +158,10 @@ pub struct ListArgs {
     /// Reports asked for per page (1-1000).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub page_size: u32,
+    /// Only the reports of the time window starting then (RFC 3339 with an
+    /// offset, as `window_start` in manifests).
+    #[arg(long)]
+    pub window_start: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -263,23 +263,33 @@ impl ApiClient {
         stream: &str,
         limit: u32,
         continuation: Option<&str>,
+        window_start: Option<&str>,
     ) -> Result<ReportPage, CliError> {
         let path = format!("/v1/streams/{}/reports", encode_segment(stream));
         let mut query = vec![("limit", limit.to_string())];
         if let Some(continuation) = continuation {
             query.push(("continuation", continuation.to_owned()));
         }
+        if let Some(window_start) = window_start {
+            query.push(("window_start", window_start.to_owned()));
+        }
         let builder = self.request(reqwest::Method::GET, &path).query(&query);
         self.json(builder, &path).await
     }
 
-    /// Every completed report of a stream, following `continuation`.
-    pub async fn all_reports(&self, stream: &str, page_size: u32) -> Result<Vec<Value>, CliError> {
+    /// Every completed report of a stream (of one window, with
+    /// `window_start`), following `continuation`.
+    pub async fn all_reports(
+        &self,
+        stream: &str,
+        page_size: u32,
+        window_start: Option<&str>,
+    ) -> Result<Vec<Value>, CliError> {
         let mut reports = Vec::new();
         let mut continuation: Option<String> = None;
         loop {
             let page = self
-                .report_page(stream, page_size, continuation.as_deref())
+                .report_page(stream, page_size, continuation.as_deref(), window_start)
                 .await?;
             reports.extend(page.reports);
             match page.continuation {

@@ -51,7 +51,11 @@ pub async fn list(
     arguments: &ListArgs,
 ) -> Result<(), CliError> {
     let reports = client
-        .all_reports(&arguments.stream, arguments.page_size)
+        .all_reports(
+            &arguments.stream,
+            arguments.page_size,
+            arguments.window_start.as_deref(),
+        )
         .await?;
     let output = Output::new(global.json);
     if output.is_json() {
@@ -80,7 +84,7 @@ pub async fn watch(
     let mut printed = 0u64;
     if !arguments.existing {
         for stream in &arguments.stream {
-            for report in client.all_reports(stream, WATCH_PAGE_SIZE).await? {
+            for report in client.all_reports(stream, WATCH_PAGE_SIZE, None).await? {
                 seen.insert(text_field(&report, "report_id").to_owned());
             }
         }
@@ -94,7 +98,7 @@ pub async fn watch(
     }
     loop {
         for stream in &arguments.stream {
-            for report in client.all_reports(stream, WATCH_PAGE_SIZE).await? {
+            for report in client.all_reports(stream, WATCH_PAGE_SIZE, None).await? {
                 let report_id = text_field(&report, "report_id").to_owned();
                 if !seen.insert(report_id) {
                     continue;
@@ -324,8 +328,16 @@ fn describe_report(report: &Value) -> String {
         return format!("{report_id}  {status}");
     };
     let number = |name: &str| manifest.get(name).and_then(Value::as_u64).unwrap_or(0);
+    let window = match manifest.get("window_start").and_then(Value::as_str) {
+        Some(start) => format!(
+            "  window={start}..{} #{}",
+            text_field(manifest, "window_end"),
+            number("window_sequence")
+        ),
+        None => String::new(),
+    };
     format!(
-        "{report_id}  {status}  records={}  bytes={} ({})  offsets={}..{}  key={}  sha256={}",
+        "{report_id}  {status}  records={}  bytes={} ({})  offsets={}..{}{window}  key={}  sha256={}",
         number("records"),
         number("bytes"),
         human_bytes(number("bytes")),
