@@ -108,6 +108,10 @@ async fn windows_hold_every_record_of_their_log_time_once_through_a_kill_and_a_r
 
     let mut worker = stack.worker("w1").spawn();
     send_for(&api, &streams, &mut sent, Duration::from_millis(4_500)).await;
+    // An explicit cut inside a window: the window's next records open its
+    // next document (sequence 2).
+    let cut_id = api.cut(&plain).await;
+    send_for(&api, &streams, &mut sent, Duration::from_millis(500)).await;
     // Longer than a window and its grace without a record: `plain` gets an
     // empty report for the quiet window, `keyed` none.
     tokio::time::sleep(Duration::from_millis(7_000)).await;
@@ -220,6 +224,17 @@ async fn windows_hold_every_record_of_their_log_time_once_through_a_kill_and_a_r
             }
         }
     }
+    let cut = &observed.reports[&cut_id];
+    assert_eq!(cut.manifest["trigger"], "api", "{}", cut.manifest);
+    assert!(cut.manifest["window_start"].is_string(), "{}", cut.manifest);
+    let most_in_a_window = reports_of(&observed, &plain)
+        .iter()
+        .filter_map(|(_, report)| report.manifest["window_sequence"].as_u64())
+        .max()
+        .unwrap_or(0);
+    quire_tests::figures(&format!(
+        "windows: at most {most_in_a_window} documents in one window of {plain}"
+    ));
     quire_tests::figures(&format!(
         "windows: {} reports of {plain} ({} empty), {} of {keyed}, {} records",
         reports_of(&observed, &plain).len(),
