@@ -45,6 +45,8 @@ pub struct ArrayCommitted<'a> {
     pub dead_letters: u64,
     /// Producers' release messages skipped (they carry no stream).
     pub released: u64,
+    /// Window markers this worker published in the array's transaction.
+    pub window_markers: u64,
     /// The trigger of each report the array completed.
     pub reports: &'a [Trigger],
     /// How long the transaction took, when there was one.
@@ -68,6 +70,7 @@ pub struct WorkerMetrics {
     reports: Family<TriggerLabels, Counter>,
     dead_letters: Counter,
     release_messages: Counter,
+    window_markers: Counter,
     release_transactions: Counter,
     consumer_lag: Family<PartitionLabels, Gauge>,
     last_stable_offset_lag: Family<PartitionLabels, Gauge>,
@@ -131,6 +134,12 @@ impl WorkerMetrics {
             "release_messages",
             "Release messages skipped: control messages a producer commits to its partitions after a broker comes back, so no transaction of its stays open there",
             release_messages.clone(),
+        );
+        let window_markers = Counter::default();
+        registry.register(
+            "window_markers",
+            "Window markers published: windows whose end plus grace passed by this worker's clock with nothing in the log closing them (idle streams, empty windows)",
+            window_markers.clone(),
         );
         let release_transactions = Counter::default();
         registry.register(
@@ -209,6 +218,7 @@ impl WorkerMetrics {
             reports,
             dead_letters,
             release_messages,
+            window_markers,
             release_transactions,
             consumer_lag,
             last_stable_offset_lag,
@@ -245,6 +255,7 @@ impl WorkerMetrics {
         self.records.inc_by(committed.records);
         self.dead_letters.inc_by(committed.dead_letters);
         self.release_messages.inc_by(committed.released);
+        self.window_markers.inc_by(committed.window_markers);
         for trigger in committed.reports {
             self.reports
                 .get_or_create(&TriggerLabels {
@@ -451,7 +462,8 @@ mod tests {
             records: 248,
             dead_letters: 2,
             released: 1,
-            reports: &[Trigger::Api, Trigger::Api, Trigger::Drain],
+            window_markers: 4,
+            reports: &[Trigger::Api, Trigger::Api, Trigger::Drain, Trigger::Window],
             transaction: Some(Duration::from_millis(9)),
         });
         metrics.rebalanced(true);
@@ -467,6 +479,8 @@ mod tests {
             "quire_worker_records_total 248",
             "quire_worker_dead_letters_total 2",
             "quire_worker_release_messages_total 1",
+            "quire_worker_window_markers_total 4",
+            r#"quire_worker_reports_total{trigger="window"} 1"#,
             r#"quire_worker_reports_total{trigger="api"} 2"#,
             r#"quire_worker_reports_total{trigger="drain"} 1"#,
             "quire_worker_commits_total 1",

@@ -112,6 +112,8 @@ struct Outbox {
     dead_letters: u64,
     /// Release messages skipped (producers' control messages, no stream).
     released: u64,
+    /// Window markers published.
+    window_markers: u64,
     /// The record partition each message (then each report) came from, in
     /// order: a transaction the group refused is carried to the next array
     /// without the partitions revoked meanwhile.
@@ -350,6 +352,7 @@ impl Worker {
             let records = outbox.records;
             let dead_letters = outbox.dead_letters;
             let released = outbox.released;
+            let window_markers = outbox.window_markers;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
             let transaction = match self.commit(&array, &mut outbox).await {
@@ -368,6 +371,7 @@ impl Worker {
                 records,
                 dead_letters,
                 released,
+                window_markers,
                 reports: &reports,
                 transaction,
             });
@@ -651,6 +655,7 @@ impl Worker {
                         continue;
                     }
                     budget -= 1;
+                    outbox.window_markers += 1;
                     let marker = records::cut(stream, &CutMarker::window(window));
                     outbox.messages.push(
                         on_topic(&self.context.topics.records, marker).to_partition(partition),
