@@ -789,13 +789,28 @@ async fn a_tail_covers_markers_and_aborts_and_waits_for_an_open_transaction() {
     use std::sync::{Arc, Mutex};
 
     let topic = TestTopic::create("tail", 2).await;
-    let producer = producer().await;
+    let transactional_id = unique("test-producer");
+    let mut producer = TransactionalProducer::connect(&kafka_settings(), &transactional_id)
+        .await
+        .expect("producer");
     // Before the tail starts: one committed array, one aborted.
     let committed = messages(&topic.name, 300, "-before");
     producer.transact(committed).await.expect("transact");
     let mut doomed = messages(&topic.name, 50, "-doomed");
     doomed.push(oversized(&topic.name));
     producer.transact(doomed).await.expect_err("aborted");
+    if !producer.is_usable() {
+        // librdkafka can answer an abort that closely follows the
+        // transaction's start with a fatal INVALID_TXN_STATE
+        // (confluentinc/librdkafka#4849, open; seen once in CI here). The
+        // services replace such a producer; so does this test, whose subject
+        // is the tail. The same transactional id fences the old one and ends
+        // whatever of its transaction the broker holds.
+        eprintln!("tail test: the abort left the producer unusable (librdkafka#4849); replaced");
+        producer = TransactionalProducer::connect(&kafka_settings(), &transactional_id)
+            .await
+            .expect("replacement producer");
+    }
 
     let seen: Arc<Mutex<Vec<(i32, i64, Vec<u8>)>>> = Arc::default();
     let collected = Arc::clone(&seen);
