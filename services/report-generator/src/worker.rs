@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use quire_config::{Settings, TopicNames, WorkerSettings};
+use quire_messages::window::{Schedule, Window};
 use quire_messages::{
     CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, ReportEvent,
     ReportId, StreamName, Trigger,
@@ -1111,48 +1112,79 @@ async fn open_document(
 ) -> Result<OpenDocument, WorkerError> {
     let definition = state.stream(stream).definition.clone();
     let time_ms = time_ms.unwrap_or_default();
-    let mut hour = quire_messages::window::utc_civil_hour(time_ms);
-    let mut window = None;
+    let mut placed = None;
     if let Some(spec) = &definition.window {
-        let (schedule, floor, documents) = match state.window_progress(stream, &definition, time_ms)
-        {
+        placed = Some(match state.window_progress(stream, &definition, time_ms) {
             Some(progress) => {
-                let floor = progress.floor_ms();
-                let window = progress.schedule.window_of(time_ms.max(floor));
+                let window = progress
+                    .schedule
+                    .window_of(time_ms.max(progress.floor_ms()));
                 (
                     Arc::clone(&progress.schedule),
-                    floor,
+                    window,
                     progress.documents_in(window),
                 )
             }
             // A message from before a definition change, read again by a
             // replay: its own schedule, outside the progress kept.
-            None => match spec.schedule() {
-                Ok(schedule) => (Arc::new(schedule), i64::MIN, 0),
-                Err(error) => {
-                    return Err(WorkerError::Config(format!(
+            None => {
+                let schedule = spec.schedule().map_err(|error| {
+                    WorkerError::Config(format!(
                         "stream {stream}: a definition in the log has an invalid window: {error}"
-                    )));
-                }
-            },
-        };
-        let of = schedule.window_of(time_ms.max(floor));
-        hour = schedule.civil_hour(of.start_ms);
-        window = Some(DocumentWindow {
-            window: of,
-            sequence: documents + 1,
-            start: schedule.format(of.start_ms),
-            end: schedule.format(of.end_ms),
+                    ))
+                })?;
+                let window = schedule.window_of(time_ms);
+                (Arc::new(schedule), window, 0)
+            }
         });
     }
-    let key = layout::document_key(stream, state.partition, first_offset, &definition, hour);
+    let placed = placed
+        .as_ref()
+        .map(|(schedule, window, documents)| (schedule.as_ref(), *window, *documents));
+    open_at(
+        context,
+        state.partition,
+        stream,
+        first_offset,
+        &definition,
+        time_ms,
+        placed,
+    )
+    .await
+}
+
+/// Opens a document of `stream` at `first_offset` under `definition`: in
+/// `window` of its schedule, as the document after the `documents` the
+/// window already has, or unwindowed. Its key, under a key template, takes
+/// its date and hour from the window's start in the window's zone, or from
+/// `time_ms` in UTC.
+async fn open_at(
+    context: &Context,
+    partition: i32,
+    stream: &StreamName,
+    first_offset: i64,
+    definition: &Definition,
+    time_ms: i64,
+    window: Option<(&Schedule, Window, u32)>,
+) -> Result<OpenDocument, WorkerError> {
+    let hour = match window {
+        Some((schedule, window, _)) => schedule.civil_hour(window.start_ms),
+        None => quire_messages::window::utc_civil_hour(time_ms),
+    };
+    let key = layout::document_key(stream, partition, first_offset, definition, hour);
+    let window = window.map(|(schedule, window, documents)| DocumentWindow {
+        window,
+        sequence: documents + 1,
+        start: schedule.format(window.start_ms),
+        end: schedule.format(window.end_ms),
+    });
     OpenDocument::open(
         &context.bucket,
         &context.policy,
         stream,
-        state.partition,
+        partition,
         first_offset,
-        &definition,
+        definition,
         key,
         window,
     )
@@ -1205,7 +1237,7 @@ async fn window_marker(
     state: &mut PartitionState,
     stream: &StreamName,
     message: &InMessage,
-    window: quire_messages::window::Window,
+    window: Window,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
     state.settle_windows(stream);
@@ -1237,27 +1269,14 @@ async fn window_marker(
     let schedule = Arc::clone(&progress.schedule);
     let documents = progress.documents_in(window);
     let definition = state.stream(stream).definition.clone();
-    let key = layout::document_key(
-        stream,
+    let document = open_at(
+        context,
         state.partition,
+        stream,
         message.offset,
         &definition,
-        schedule.civil_hour(window.start_ms),
-    );
-    let document = OpenDocument::open(
-        &context.bucket,
-        &context.policy,
-        stream,
-        state.partition,
-        message.offset,
-        &definition,
-        key,
-        Some(DocumentWindow {
-            window,
-            sequence: documents + 1,
-            start: schedule.format(window.start_ms),
-            end: schedule.format(window.end_ms),
-        }),
+        time_ms,
+        Some((&schedule, window, documents)),
     )
     .await?;
     complete_document(
