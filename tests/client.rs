@@ -205,8 +205,19 @@ impl ApiProcess {
     }
 
     pub async fn put_definition(&self, stream: &str, definition: Value) {
-        let (status, body) = self.try_put_definition(stream, definition).await;
-        assert_eq!(status, 202, "{body}");
+        let response = self
+            .http
+            .put(format!("{}/v1/streams/{stream}/definition", self.base))
+            .json(&definition)
+            .send()
+            .await
+            .expect("definition request");
+        assert_eq!(
+            response.status().as_u16(),
+            202,
+            "{:?}",
+            response.text().await
+        );
     }
 
     pub async fn get(&self, path: &str) -> (u16, Value) {

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use quire_config::{Settings, TopicNames, WorkerSettings};
-use quire_messages::window::{Schedule, Window};
 use quire_messages::{
     CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, ReportEvent,
     ReportId, StreamName, Trigger,
@@ -1112,79 +1111,48 @@ async fn open_document(
 ) -> Result<OpenDocument, WorkerError> {
     let definition = state.stream(stream).definition.clone();
     let time_ms = time_ms.unwrap_or_default();
-    let mut placed = None;
+    let mut hour = quire_messages::window::utc_civil_hour(time_ms);
+    let mut window = None;
     if let Some(spec) = &definition.window {
-        placed = Some(match state.window_progress(stream, &definition, time_ms) {
+        let (schedule, floor, documents) = match state.window_progress(stream, &definition, time_ms)
+        {
             Some(progress) => {
-                let window = progress
-                    .schedule
-                    .window_of(time_ms.max(progress.floor_ms()));
+                let floor = progress.floor_ms();
+                let window = progress.schedule.window_of(time_ms.max(floor));
                 (
                     Arc::clone(&progress.schedule),
-                    window,
+                    floor,
                     progress.documents_in(window),
                 )
             }
             // A message from before a definition change, read again by a
             // replay: its own schedule, outside the progress kept.
-            None => {
-                let schedule = spec.schedule().map_err(|error| {
-                    WorkerError::Config(format!(
+            None => match spec.schedule() {
+                Ok(schedule) => (Arc::new(schedule), i64::MIN, 0),
+                Err(error) => {
+                    return Err(WorkerError::Config(format!(
                         "stream {stream}: a definition in the log has an invalid window: {error}"
-                    ))
-                })?;
-                let window = schedule.window_of(time_ms);
-                (Arc::new(schedule), window, 0)
-            }
+                    )));
+                }
+            },
+        };
+        let of = schedule.window_of(time_ms.max(floor));
+        hour = schedule.civil_hour(of.start_ms);
+        window = Some(DocumentWindow {
+            window: of,
+            sequence: documents + 1,
+            start: schedule.format(of.start_ms),
+            end: schedule.format(of.end_ms),
         });
     }
-    let placed = placed
-        .as_ref()
-        .map(|(schedule, window, documents)| (schedule.as_ref(), *window, *documents));
-    open_at(
-        context,
-        state.partition,
-        stream,
-        first_offset,
-        &definition,
-        time_ms,
-        placed,
-    )
-    .await
-}
-
-/// Opens a document of `stream` at `first_offset` under `definition`: in
-/// `window` of its schedule, as the document after the `documents` the
-/// window already has, or unwindowed. Its key, under a key template, takes
-/// its date and hour from the window's start in the window's zone, or from
-/// `time_ms` in UTC.
-async fn open_at(
-    context: &Context,
-    partition: i32,
-    stream: &StreamName,
-    first_offset: i64,
-    definition: &Definition,
-    time_ms: i64,
-    window: Option<(&Schedule, Window, u32)>,
-) -> Result<OpenDocument, WorkerError> {
-    let hour = match window {
-        Some((schedule, window, _)) => schedule.civil_hour(window.start_ms),
-        None => quire_messages::window::utc_civil_hour(time_ms),
-    };
-    let key = layout::document_key(stream, partition, first_offset, definition, hour);
-    let window = window.map(|(schedule, window, documents)| DocumentWindow {
-        window,
-        sequence: documents + 1,
-        start: schedule.format(window.start_ms),
-        end: schedule.format(window.end_ms),
-    });
+    let key = layout::document_key(stream, state.partition, first_offset, &definition, hour);
     OpenDocument::open(
         &context.bucket,
         &context.policy,
         stream,
-        partition,
+        state.partition,
         first_offset,
-        definition,
+        &definition,
         key,
         window,
     )
@@ -1237,7 +1205,7 @@ async fn window_marker(
     state: &mut PartitionState,
     stream: &StreamName,
     message: &InMessage,
-    window: Window,
+    window: quire_messages::window::Window,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
     state.settle_windows(stream);
@@ -1269,14 +1237,27 @@ async fn window_marker(
     let schedule = Arc::clone(&progress.schedule);
     let documents = progress.documents_in(window);
     let definition = state.stream(stream).definition.clone();
-    let document = open_at(
-        context,
-        state.partition,
+    let key = layout::document_key(
         stream,
+        state.partition,
         message.offset,
         &definition,
-        time_ms,
-        Some((&schedule, window, documents)),
+        schedule.civil_hour(window.start_ms),
+    );
+    let document = OpenDocument::open(
+        &context.bucket,
+        &context.policy,
+        stream,
+        state.partition,
+        message.offset,
+        &definition,
+        key,
+        Some(DocumentWindow {
+            window,
+            sequence: documents + 1,
+            start: schedule.format(window.start_ms),
+            end: schedule.format(window.end_ms),
+        }),
     )
     .await?;
     complete_document(
