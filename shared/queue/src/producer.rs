@@ -1,7 +1,7 @@
 //! A transactional producer: one array, one transaction.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
@@ -10,13 +10,20 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use rdkafka::statistics::Statistics;
-use rdkafka::{ClientContext, TopicPartitionList};
+use rdkafka::{ClientConfig, ClientContext, TopicPartitionList};
 
 use crate::client::producer_config;
 use crate::{MessageId, OutMessage, QueueError};
 
 /// How often a commit that librdkafka calls retriable is tried again.
 const COMMIT_ATTEMPTS: usize = 3;
+
+/// The transaction timeout of the producer that commits a release after a
+/// connect or a disconnection (see [`Release`]): long, so that neither the
+/// coordinator nor our own patience ends it with an ABORT while a broker
+/// that just came back is still slow. The brokers' default
+/// `transaction.max.timeout.ms` (15 min) allows it.
+pub const RELEASE_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long past its own timeout a call to librdkafka's
 /// `send_offsets_to_transaction` is waited for (see `Inner::send_offsets`).
@@ -72,24 +79,50 @@ impl ClientContext for ProducerStatistics {
 /// brokers were gone, before its release has committed: one message to
 /// every partition it may have written, sent only once each of them has a
 /// leader, with patience instead of the caller's short send timeout.
+///
+/// That patience must outlast a slow restart, and the producer's own
+/// transaction timeout (seconds, so that a crashed producer holds readers
+/// back only briefly) cannot: a release that overran it was ended by the
+/// coordinator, or by our abort, with an ABORT marker, and about one crash
+/// round in sixty lost its array that way. So a release after a connect or
+/// a disconnection is committed by a twin: a producer with the same
+/// transactional id and [`RELEASE_TRANSACTION_TIMEOUT`]. Its
+/// `init_transactions` bumps the epoch (a marker of a later epoch still
+/// ends the earlier epoch's hanging transaction), and a fresh producer with
+/// the ordinary timeout takes over after it. A periodic release (nothing
+/// seen, [`TransactionalProducer::request_release`]) runs in place.
 #[derive(Clone, Default)]
 pub struct Release {
     /// One message per partition the producer may have written; readers
     /// recognise and skip them.
     pub messages: Vec<OutMessage>,
-    /// How long sending and flushing a release may take (keep it under the
-    /// transaction timeout, past which the coordinator aborts it).
+    /// How long waiting for leaders, and then sending and committing a
+    /// release, may each take (see [`Release::patience_for`]).
     pub patience: Duration,
     /// Called after each release that committed (a metric).
     pub on_release: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl Release {
-    /// The patience that fits `settings`: three quarters of the
-    /// transaction timeout, at least one second.
+    /// The patience that fits `settings`: three quarters of the twin's
+    /// transaction timeout (the longer of [`RELEASE_TRANSACTION_TIMEOUT`] and
+    /// the producer's own), under which neither it nor the coordinator gives
+    /// up on the release. A release in place gets at most three quarters of
+    /// the producer's own timeout.
     pub fn patience_for(settings: &KafkaSettings) -> Duration {
-        Duration::from_millis((settings.transaction_timeout_ms * 3 / 4).max(1000))
+        three_quarters(release_transaction_timeout(settings))
     }
+}
+
+/// Three quarters of a transaction timeout, at least one second: how long a
+/// transaction may take before the coordinator's clock becomes a risk.
+fn three_quarters(timeout: Duration) -> Duration {
+    (timeout * 3 / 4).max(Duration::from_secs(1))
+}
+
+/// The twin's transaction timeout for `settings` (see [`Release`]).
+fn release_transaction_timeout(settings: &KafkaSettings) -> Duration {
+    RELEASE_TRANSACTION_TIMEOUT.max(Duration::from_millis(settings.transaction_timeout_ms))
 }
 
 /// How a [`TransactionalProducer`] is built.
@@ -121,7 +154,15 @@ pub struct TransactionalProducer {
 }
 
 struct Inner {
-    producer: FutureProducer<ProducerStatistics>,
+    /// Replaced after a release by a twin (see [`Release`]); only the holder
+    /// of the transaction lock uses or replaces it.
+    producer: RwLock<FutureProducer<ProducerStatistics>>,
+    /// How the producer is made (again, after a release by a twin).
+    config: ClientConfig,
+    /// The ordinary producer's transaction timeout.
+    transaction_timeout: Duration,
+    /// The twin's (see [`Release`]).
+    release_transaction_timeout: Duration,
     statistics: ProducerStatistics,
     transactional_id: String,
     /// How long a blocking call (init, commit, offsets) may take.
@@ -142,8 +183,11 @@ struct Inner {
     fatal: AtomicBool,
     /// What this producer commits to release its partitions, if anything.
     release: Option<Release>,
-    /// A release of the producer's partitions is due (a failed one).
+    /// A release of the producer's partitions is due for cause: the
+    /// producer connected, or a release failed (committed by a twin).
     release_pending: AtomicBool,
+    /// A periodic release is due (committed in place).
+    refresh_pending: AtomicBool,
     /// A transaction failed before its commit was asked for and its abort
     /// was put off until its callers had their answer (see
     /// [`TransactionalProducer::finish_pending_abort`]); whoever takes the
@@ -182,20 +226,17 @@ impl TransactionalProducer {
     ) -> Result<Self, QueueError> {
         let config = producer_config(settings, transactional_id)?;
         let statistics = ProducerStatistics::default();
-        let producer: FutureProducer<ProducerStatistics> = config
-            .create_with_context(statistics.clone())
-            .map_err(QueueError::client)?;
         let timeout = Duration::from_millis(settings.request_timeout_ms);
-        let producer = tokio::task::spawn_blocking(move || {
-            producer
-                .init_transactions(timeout)
-                .map(|()| producer)
-                .map_err(QueueError::client)
-        })
-        .await??;
+        let producer = {
+            let (config, statistics) = (config.clone(), statistics.clone());
+            tokio::task::spawn_blocking(move || initialised(&config, statistics, timeout)).await??
+        };
         tracing::debug!(transactional_id, "transactional producer ready");
         let inner = Arc::new(Inner {
-            producer,
+            producer: RwLock::new(producer),
+            config,
+            transaction_timeout: Duration::from_millis(settings.transaction_timeout_ms),
+            release_transaction_timeout: release_transaction_timeout(settings),
             statistics,
             transactional_id: transactional_id.to_owned(),
             timeout,
@@ -204,6 +245,7 @@ impl TransactionalProducer {
             transaction_lock: Mutex::new(()),
             fatal: AtomicBool::new(false),
             release_pending: AtomicBool::new(options.release.is_some()),
+            refresh_pending: AtomicBool::new(false),
             abort_pending: AtomicBool::new(false),
             release: options.release,
         });
@@ -248,11 +290,11 @@ impl TransactionalProducer {
         self.release_if_due().await
     }
 
-    /// Makes a release due (for a periodic one: a disconnection librdkafka
-    /// did not report).
+    /// Makes a periodic release due (for a disconnection librdkafka did not
+    /// report); it is committed in place, not by a twin (see [`Release`]).
     pub fn request_release(&self) {
         if self.inner.release.is_some() {
-            self.inner.release_pending.store(true, Ordering::Release);
+            self.inner.refresh_pending.store(true, Ordering::Release);
         }
     }
 
@@ -359,7 +401,7 @@ impl Inner {
             )));
         }
         self.release_locked()?;
-        self.transact_locked(messages, offsets, None, self.send_timeout, false)
+        self.transact_locked(messages, offsets, None, self.ordinary_budget(), false)
     }
 
     fn transact_then_blocking(
@@ -375,13 +417,35 @@ impl Inner {
             )));
         }
         self.release_locked()?;
-        self.transact_locked(messages, None, followers, self.send_timeout, true)
+        self.transact_locked(messages, None, followers, self.ordinary_budget(), true)
+    }
+
+    /// The bounds of a transaction of the producer's callers.
+    fn ordinary_budget(&self) -> Budget {
+        Budget {
+            send: self.send_timeout,
+            commit: self.commit_timeout,
+            commit_attempts: COMMIT_ATTEMPTS,
+        }
+    }
+
+    /// The producer librdkafka calls go to (see [`Inner::producer`]).
+    fn producer(&self) -> FutureProducer<ProducerStatistics> {
+        self.producer
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// A release is due for cause: committed by a twin (see [`Release`]).
+    fn release_for_cause(&self) -> bool {
+        self.release_pending.load(Ordering::Acquire)
+            || self.statistics.disconnected.load(Ordering::Acquire)
     }
 
     fn release_is_due(&self) -> bool {
         self.release.is_some()
-            && (self.release_pending.load(Ordering::Acquire)
-                || self.statistics.disconnected.load(Ordering::Acquire))
+            && (self.release_for_cause() || self.refresh_pending.load(Ordering::Acquire))
     }
 
     /// Commits the release if one is due; the caller holds the transaction
@@ -402,12 +466,29 @@ impl Inner {
                 RDKafkaErrorCode::Fatal,
             )));
         }
+        let by_twin = self.release_for_cause();
         // Cleared before, so a disconnection during the release asks again.
         self.statistics.disconnected.store(false, Ordering::Release);
+        self.refresh_pending.store(false, Ordering::Release);
+        // Until it commits, the release stays due for cause: one that failed
+        // may have left a partition's hanging transaction to a twin.
         self.release_pending.store(true, Ordering::Release);
         let started = Instant::now();
         self.wait_for_leaders(&release.messages, release.patience)?;
-        self.transact_locked(&release.messages, None, None, release.patience, false)?;
+        let led = started.elapsed();
+        if by_twin {
+            self.release_by_twin(release)?;
+        } else {
+            let patience = release
+                .patience
+                .min(three_quarters(self.transaction_timeout));
+            let budget = Budget {
+                send: patience,
+                commit: Some(patience),
+                commit_attempts: usize::MAX,
+            };
+            self.transact_locked(&release.messages, None, None, budget, false)?;
+        }
         self.release_pending.store(false, Ordering::Release);
         if let Some(on_release) = &release.on_release {
             on_release();
@@ -415,10 +496,74 @@ impl Inner {
         tracing::info!(
             transactional_id = %self.transactional_id,
             partitions = release.messages.len(),
-            elapsed_ms = started.elapsed().as_millis() as u64,
+            by_twin,
+            leaders_ms = led.as_millis() as u64,
+            transaction_ms = (started.elapsed() - led).as_millis() as u64,
             "partitions released: no transaction of this producer stays open there"
         );
         Ok(())
+    }
+
+    /// Commits `release` with a twin (see [`Release`]): a producer with the
+    /// same transactional id and the long release transaction timeout, whose
+    /// `init_transactions` fences the current producer; then a fresh
+    /// producer with the ordinary timeout replaces both, whatever the
+    /// release's outcome. If that replacement cannot be made, the producer
+    /// is unusable (its owner recreates it, and the release stays due).
+    fn release_by_twin(&self, release: &Release) -> Result<(), QueueError> {
+        let mut twin_config = self.config.clone();
+        twin_config.set(
+            "transaction.timeout.ms",
+            self.release_transaction_timeout.as_millis().to_string(),
+        );
+        let released = initialised(&twin_config, self.statistics.clone(), self.timeout)
+            .map_err(|error| match error {
+                // Nothing was sent: like any transaction that failed to send.
+                QueueError::Client(error) => QueueError::TransactionAborted(error),
+                other => other,
+            })
+            .and_then(|twin| {
+                let fenced = self.replace_producer(twin);
+                // The twin's epoch fenced it: it has nothing left to send.
+                retire(fenced);
+                let budget = Budget {
+                    send: release.patience,
+                    commit: Some(release.patience),
+                    commit_attempts: usize::MAX,
+                };
+                self.transact_locked(&release.messages, None, None, budget, false)
+            });
+        // Whether or not the twin got as far as its init, the current
+        // producer may be fenced: replace it with an ordinary one.
+        match initialised(&self.config, self.statistics.clone(), self.timeout) {
+            Ok(fresh) => {
+                retire(self.replace_producer(fresh));
+                self.fatal.store(false, Ordering::Release);
+                self.abort_pending.store(false, Ordering::Release);
+            }
+            Err(error) => {
+                let error = match error {
+                    QueueError::Client(error) => error,
+                    _ => KafkaError::MessageProduction(RDKafkaErrorCode::Fail),
+                };
+                self.mark_unusable("no producer after a release by a twin", &error);
+            }
+        }
+        released.map(|_| ())
+    }
+
+    /// Puts `producer` in place of the current one, and returns that.
+    fn replace_producer(
+        &self,
+        producer: FutureProducer<ProducerStatistics>,
+    ) -> FutureProducer<ProducerStatistics> {
+        std::mem::replace(
+            &mut *self
+                .producer
+                .write()
+                .unwrap_or_else(PoisonError::into_inner),
+            producer,
+        )
     }
 
     /// Waits until every partition `messages` go to has a leader in the
@@ -442,7 +587,7 @@ impl Inner {
             loop {
                 let remaining = deadline.saturating_duration_since(Instant::now());
                 let led = self
-                    .producer
+                    .producer()
                     .client()
                     .fetch_metadata(Some(topic), remaining.max(Duration::from_millis(100)))
                     .map(|metadata| {
@@ -479,16 +624,16 @@ impl Inner {
         messages: &[OutMessage],
         offsets: Option<OffsetsInTransaction>,
         followers: Option<Followers>,
-        send_timeout: Duration,
+        budget: Budget,
         defer_abort: bool,
     ) -> Result<Vec<MessageId>, QueueError> {
-        if let Err(error) = self.producer.begin_transaction() {
+        if let Err(error) = self.producer().begin_transaction() {
             // begin is local: it fails only when the state is not what we
             // think (an earlier abort still running), so start afresh.
             self.mark_unusable("begin_transaction failed", &error);
             return Err(self.classify(error));
         }
-        let deadline = Instant::now() + send_timeout;
+        let deadline = Instant::now() + budget.send;
         let deliveries = match self.send_all(messages, offsets, deadline) {
             Ok(deliveries) => deliveries,
             Err(error) => {
@@ -541,7 +686,7 @@ impl Inner {
                 return Err(error);
             }
         }
-        let committed = self.commit_with_retries();
+        let committed = self.commit_with_retries(budget);
         match (committed, ids) {
             (Ok(()), Ok(ids)) => Ok(ids),
             // Cannot happen after a successful commit; if it does, the
@@ -584,7 +729,7 @@ impl Inner {
         if matches!(error, QueueError::ProducerFatal(_)) {
             return;
         }
-        if let Err(abort_error) = self.producer.abort_transaction(self.send_timeout) {
+        if let Err(abort_error) = self.producer().abort_transaction(self.send_timeout) {
             tracing::warn!(
                 transactional_id = %self.transactional_id,
                 error = %abort_error,
@@ -636,7 +781,7 @@ impl Inner {
     /// the transaction. The stuck thread keeps its clone of the client until
     /// the process exits.
     fn send_offsets(&self, offsets: OffsetsInTransaction) -> Result<(), QueueError> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let timeout = self.timeout;
         let (done, answer) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
@@ -708,7 +853,7 @@ impl Inner {
                         });
                 record = record.headers(headers);
             }
-            match self.producer.send_result(record) {
+            match self.producer().send_result(record) {
                 Ok(delivery) => return Ok(delivery),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
                     if std::time::Instant::now() < deadline =>
@@ -735,10 +880,11 @@ impl Inner {
         let timeout_ms = i32::try_from(remaining.as_millis())
             .unwrap_or(i32::MAX)
             .max(1);
-        // SAFETY: the pointer is the live client owned by `self.producer`, which
+        let producer = self.producer();
+        // SAFETY: the pointer is the live client owned by `producer`, which
         // outlives the call; rd_kafka_flush is thread-safe.
         let code = unsafe {
-            rdkafka::bindings::rd_kafka_flush(self.producer.client().native_ptr(), timeout_ms)
+            rdkafka::bindings::rd_kafka_flush(producer.client().native_ptr(), timeout_ms)
         };
         if code == rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR {
             Ok(())
@@ -752,8 +898,8 @@ impl Inner {
     /// a fatal error in the middle of it, leaves the outcome unknown (the
     /// coordinator may have written the commit): that is
     /// [`QueueError::CommitOutcomeUnknown`], never "aborted".
-    fn commit_with_retries(&self) -> Result<(), QueueError> {
-        let deadline = self.commit_timeout.map(|budget| Instant::now() + budget);
+    fn commit_with_retries(&self, budget: Budget) -> Result<(), QueueError> {
+        let deadline = budget.commit.map(|budget| Instant::now() + budget);
         let mut attempt = 1;
         loop {
             // With a budget, each attempt gets what is left of it (librdkafka
@@ -763,11 +909,11 @@ impl Inner {
                     .saturating_duration_since(Instant::now())
                     .max(Duration::from_millis(100))
             });
-            match self.producer.commit_transaction(timeout) {
+            match self.producer().commit_transaction(timeout) {
                 Ok(()) => return Ok(()),
                 Err(KafkaError::Transaction(error))
                     if error.is_retriable()
-                        && attempt < COMMIT_ATTEMPTS
+                        && attempt < budget.commit_attempts
                         && deadline.is_none_or(|deadline| Instant::now() < deadline) =>
                 {
                     tracing::warn!(attempt, error = %error, "transaction commit is retriable; retrying");
@@ -810,5 +956,43 @@ impl Inner {
         } else {
             QueueError::TransactionAborted(error)
         }
+    }
+}
+
+/// How long one transaction may take: sending and flushing its messages,
+/// then its commit (all attempts together when bounded).
+#[derive(Clone, Copy)]
+struct Budget {
+    send: Duration,
+    commit: Option<Duration>,
+    commit_attempts: usize,
+}
+
+/// A producer made from `config`, its transactions initialised (which
+/// fences any other producer with the same transactional id and ends its
+/// open transaction).
+fn initialised(
+    config: &ClientConfig,
+    statistics: ProducerStatistics,
+    timeout: Duration,
+) -> Result<FutureProducer<ProducerStatistics>, QueueError> {
+    let producer: FutureProducer<ProducerStatistics> = config
+        .create_with_context(statistics)
+        .map_err(QueueError::client)?;
+    producer
+        .init_transactions(timeout)
+        .map_err(QueueError::client)?;
+    Ok(producer)
+}
+
+/// Lets a replaced producer go on a thread of its own: destroying a
+/// librdkafka client waits for its threads, which must not hold up the
+/// transaction lock.
+fn retire(producer: FutureProducer<ProducerStatistics>) {
+    let spawned = std::thread::Builder::new()
+        .name("producer-retire".into())
+        .spawn(move || drop(producer));
+    if let Err(error) = spawned {
+        tracing::warn!(error = %error, "cannot start a thread to close a replaced producer");
     }
 }
