@@ -730,12 +730,52 @@ impl Inner {
             return;
         }
         if let Err(abort_error) = self.producer().abort_transaction(self.send_timeout) {
+            if self.renewed_after_a_refused_abort() {
+                return;
+            }
             tracing::warn!(
                 transactional_id = %self.transactional_id,
                 error = %abort_error,
                 "abort of a failed transaction did not finish; the producer will be recreated"
             );
             self.mark_unusable("abort did not finish", &abort_error);
+        }
+    }
+
+    /// Replaces the producer in place when librdkafka made an abort's
+    /// INVALID_TXN_STATE answer fatal: an abort soon after a transaction
+    /// began can meet it (confluentinc/librdkafka#4849, open upstream), and
+    /// the producer is then dead though nobody fenced it. The commit was
+    /// never asked for, so nothing of the transaction can become visible: a
+    /// fresh producer's `init_transactions` ends what the coordinator holds
+    /// of it, and a release is due as after any connect. Any other fatal
+    /// error (fenced by a newer instance) is left to the owner: taking the
+    /// id back would fence that instance in turn.
+    fn renewed_after_a_refused_abort(&self) -> bool {
+        let Some((code, reason)) = self.producer().client().fatal_error() else {
+            return false;
+        };
+        if code != RDKafkaErrorCode::InvalidTransactionalState {
+            return false;
+        }
+        match initialised(&self.config, self.statistics.clone(), self.timeout) {
+            Ok(fresh) => {
+                retire(self.replace_producer(fresh));
+                if self.release.is_some() {
+                    self.release_pending.store(true, Ordering::Release);
+                }
+                tracing::warn!(
+                    transactional_id = %self.transactional_id,
+                    reason,
+                    "the abort was refused and made the producer fatal (librdkafka#4849); \
+                     replaced it with a new one, nothing of the transaction visible"
+                );
+                true
+            }
+            Err(error) => {
+                tracing::warn!(transactional_id = %self.transactional_id, error = %error, "cannot replace a producer whose abort was refused");
+                false
+            }
         }
     }
 
