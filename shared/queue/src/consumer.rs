@@ -242,7 +242,7 @@ impl ArrayConsumer {
             let list = offset_list(&topic, &outcome.committed)?;
             consumer
                 .commit(&list, CommitMode::Sync)
-                .map_err(QueueError::Commit)?;
+                .map_err(commit_error)?;
             Ok(outcome)
         })
         .await?
@@ -444,6 +444,23 @@ fn take_rebalance_events(
         rebalances.push(event);
     }
     Ok(())
+}
+
+/// A refusal by the group (its generation moved on while the array was
+/// held) is [`QueueError::CommitRefused`]: the consumer rejoins on its next
+/// poll and keeps the partitions that stay its own (cooperative), so the
+/// caller can commit the same array again after reading the next one, as
+/// with the Java client's `RebalanceInProgressException`.
+fn commit_error(error: KafkaError) -> QueueError {
+    match error.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::IllegalGeneration
+            | RDKafkaErrorCode::RebalanceInProgress
+            | RDKafkaErrorCode::UnknownMemberId
+            | RDKafkaErrorCode::FencedInstanceId,
+        ) => QueueError::CommitRefused(error),
+        _ => QueueError::Commit(error),
+    }
 }
 
 /// Keeps the partitions still assigned under the same epoch as when the array

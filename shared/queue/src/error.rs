@@ -50,6 +50,11 @@ pub enum QueueError {
     #[error("kafka offset commit failed: {0}")]
     Commit(KafkaError),
 
+    #[error(
+        "kafka offset commit refused by the consumer group (a rebalance is under way, or this member was fenced or timed out): read the next array and commit this one again; partitions revoked meanwhile go to their next owner from the last committed offset: {0}"
+    )]
+    CommitRefused(KafkaError),
+
     #[error("kafka admin operation failed: {0}")]
     Admin(String),
 
