@@ -394,8 +394,9 @@ async fn two_consumers_in_a_group_split_partitions_and_read_everything_once() {
     let second = ArrayConsumer::new(&kafka_settings(), &options).unwrap();
     let mut seen: BTreeMap<MessageId, usize> = BTreeMap::new();
     let mut partitions_of = [BTreeSet::new(), BTreeSet::new()];
-    // Arrays whose commit the group refused, to commit again after the
-    // next read, and the messages that may therefore be read again.
+    // Arrays not committed yet (the group refused their commit, or an
+    // earlier one's), to commit after the next read, and the messages that
+    // may be read again because their commit could not count.
     let mut refused: [Vec<quire_queue::Array>; 2] = [Vec::new(), Vec::new()];
     let mut may_repeat: BTreeSet<MessageId> = BTreeSet::new();
     let mut refusals = 0;
@@ -416,25 +417,21 @@ async fn two_consumers_in_a_group_split_partitions_and_read_everything_once() {
                 partitions_of[index].insert(message.partition);
             }
             // In order, stopping at a refusal: a commit never moves back.
-            let mut arrays = std::mem::take(&mut refused[index]);
-            arrays.push(array);
-            let mut arrays = arrays.into_iter();
-            while let Some(array) = arrays.next() {
-                match consumer.commit(&array).await {
-                    Ok(outcome) => may_repeat.extend(
-                        array
-                            .messages
-                            .iter()
-                            .filter(|message| outcome.dropped.contains(&message.partition))
-                            .map(|message| message.id()),
-                    ),
-                    Err(QueueError::CommitRefused(_)) => {
-                        refusals += 1;
-                        refused[index].push(array);
-                        refused[index].extend(arrays.by_ref());
-                    }
-                    Err(error) => panic!("commit failed: {error}"),
-                }
+            refused[index].push(array);
+            let before = refused[index].len();
+            let committed = consumer.commit_in_order(&mut refused[index]).await.unwrap();
+            if !refused[index].is_empty() {
+                refusals += 1;
+            }
+            assert_eq!(committed.len() + refused[index].len(), before);
+            for (array, outcome) in committed {
+                may_repeat.extend(
+                    array
+                        .messages
+                        .iter()
+                        .filter(|message| outcome.dropped.contains(&message.partition))
+                        .map(|message| message.id()),
+                );
             }
         }
         let pending = refused.iter().any(|arrays| !arrays.is_empty());

@@ -329,6 +329,30 @@ impl ArrayConsumer {
         .await?
     }
 
+    /// Commits `pending` arrays in order (simple form), stopping at the
+    /// first the group refuses ([`QueueError::CommitRefused`]): that one and
+    /// those after it stay in `pending`, to be committed after the next
+    /// read, so no commit ever lands before an earlier array's. Returns the
+    /// arrays committed and what each commit did. Any other error is
+    /// returned, the failed array still first in `pending`.
+    pub async fn commit_in_order(
+        &self,
+        pending: &mut Vec<Array>,
+    ) -> Result<Vec<(Array, CommitOutcome)>, QueueError> {
+        let mut committed = Vec::with_capacity(pending.len());
+        while let Some(array) = pending.first() {
+            match self.commit(array).await {
+                Ok(outcome) => committed.push((pending.remove(0), outcome)),
+                Err(QueueError::CommitRefused(error)) => {
+                    tracing::info!(error = %error, arrays = pending.len(), "commit refused by the group (rebalancing); committing again after the next read");
+                    break;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(committed)
+    }
+
     /// The seed's dequeue loop: arrays of at most `max`, each handed to
     /// `process` and then committed (simple form), until the consumer is
     /// caught up and an array comes back short (scenario one) or empty
@@ -344,18 +368,21 @@ impl ArrayConsumer {
     {
         let mut arrays = 0;
         let mut messages = 0;
+        let mut pending = Vec::new();
         loop {
             let array = self.next_array(max, max_wait).await?;
             process(&array);
-            if !array.is_empty() {
+            let (len, caught_up) = (array.len(), array.caught_up);
+            if len > 0 {
                 arrays += 1;
-                messages += array.len();
-                self.commit(&array).await?;
+                messages += len;
+                pending.push(array);
             }
-            if !array.caught_up || array.len() >= max {
+            self.commit_in_order(&mut pending).await?;
+            if !pending.is_empty() || !caught_up || len >= max {
                 continue;
             }
-            let exit = if array.is_empty() {
+            let exit = if len == 0 {
                 DrainExit::EmptyWait
             } else {
                 DrainExit::ShortArray
@@ -561,4 +588,34 @@ fn out_of_range_partition(consumer: &BaseConsumer<QueueContext>) -> i32 {
                 .map(|element| element.partition())
         })
         .unwrap_or(-1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_the_group_refused_can_be_tried_again_and_others_cannot() {
+        for code in [
+            RDKafkaErrorCode::IllegalGeneration,
+            RDKafkaErrorCode::RebalanceInProgress,
+            RDKafkaErrorCode::UnknownMemberId,
+            RDKafkaErrorCode::FencedInstanceId,
+        ] {
+            let error = commit_error(KafkaError::ConsumerCommit(code));
+            assert!(
+                matches!(error, QueueError::CommitRefused(_)),
+                "{code:?}: {error}"
+            );
+            assert!(error.to_string().contains("commit this one again"));
+        }
+        for code in [
+            RDKafkaErrorCode::InvalidGroupId,
+            RDKafkaErrorCode::OffsetOutOfRange,
+            RDKafkaErrorCode::BrokerTransportFailure,
+        ] {
+            let error = commit_error(KafkaError::ConsumerCommit(code));
+            assert!(matches!(error, QueueError::Commit(_)), "{code:?}: {error}");
+        }
+    }
 }
