@@ -229,7 +229,9 @@ impl TransactionalProducer {
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let producer = {
             let (config, statistics) = (config.clone(), statistics.clone());
-            tokio::task::spawn_blocking(move || initialised(&config, statistics, timeout)).await??
+            tokio::task::spawn_blocking(move || initialised(&config, statistics, timeout))
+                .await?
+                .map_err(QueueError::client)?
         };
         tracing::debug!(transactional_id, "transactional producer ready");
         let inner = Arc::new(Inner {
@@ -482,12 +484,13 @@ impl Inner {
             let patience = release
                 .patience
                 .min(three_quarters(self.transaction_timeout));
-            let budget = Budget {
-                send: patience,
-                commit: Some(patience),
-                commit_attempts: usize::MAX,
-            };
-            self.transact_locked(&release.messages, None, None, budget, false)?;
+            self.transact_locked(
+                &release.messages,
+                None,
+                None,
+                Budget::patient(patience),
+                false,
+            )?;
         }
         self.release_pending.store(false, Ordering::Release);
         if let Some(on_release) = &release.on_release {
@@ -517,39 +520,34 @@ impl Inner {
             self.release_transaction_timeout.as_millis().to_string(),
         );
         let released = initialised(&twin_config, self.statistics.clone(), self.timeout)
-            .map_err(|error| match error {
-                // Nothing was sent: like any transaction that failed to send.
-                QueueError::Client(error) => QueueError::TransactionAborted(error),
-                other => other,
-            })
+            // Nothing was sent: like any transaction that failed to send.
+            .map_err(QueueError::TransactionAborted)
             .and_then(|twin| {
-                let fenced = self.replace_producer(twin);
-                // The twin's epoch fenced it: it has nothing left to send.
-                retire(fenced);
-                let budget = Budget {
-                    send: release.patience,
-                    commit: Some(release.patience),
-                    commit_attempts: usize::MAX,
-                };
+                // The twin's epoch fenced the producer: it has nothing left
+                // to send.
+                retire(self.replace_producer(twin));
+                let budget = Budget::patient(release.patience);
                 self.transact_locked(&release.messages, None, None, budget, false)
             });
         // Whether or not the twin got as far as its init, the current
         // producer may be fenced: replace it with an ordinary one.
-        match initialised(&self.config, self.statistics.clone(), self.timeout) {
-            Ok(fresh) => {
-                retire(self.replace_producer(fresh));
+        match self.renew() {
+            Ok(()) => {
                 self.fatal.store(false, Ordering::Release);
                 self.abort_pending.store(false, Ordering::Release);
             }
-            Err(error) => {
-                let error = match error {
-                    QueueError::Client(error) => error,
-                    _ => KafkaError::MessageProduction(RDKafkaErrorCode::Fail),
-                };
-                self.mark_unusable("no producer after a release by a twin", &error);
-            }
+            Err(error) => self.mark_unusable("no producer after a release by a twin", &error),
         }
         released.map(|_| ())
+    }
+
+    /// Puts a fresh producer with the ordinary timeout in place of the
+    /// current one; its `init_transactions` ends whatever the coordinator
+    /// still holds of the current one's transaction.
+    fn renew(&self) -> Result<(), KafkaError> {
+        let fresh = initialised(&self.config, self.statistics.clone(), self.timeout)?;
+        retire(self.replace_producer(fresh));
+        Ok(())
     }
 
     /// Puts `producer` in place of the current one, and returns that.
@@ -758,9 +756,8 @@ impl Inner {
         if code != RDKafkaErrorCode::InvalidTransactionalState {
             return false;
         }
-        match initialised(&self.config, self.statistics.clone(), self.timeout) {
-            Ok(fresh) => {
-                retire(self.replace_producer(fresh));
+        match self.renew() {
+            Ok(()) => {
                 if self.release.is_some() {
                     self.release_pending.store(true, Ordering::Release);
                 }
@@ -1008,6 +1005,18 @@ struct Budget {
     commit_attempts: usize,
 }
 
+impl Budget {
+    /// A release's: `patience` to send, `patience` for the commit, retried
+    /// as often as fits in it.
+    fn patient(patience: Duration) -> Self {
+        Budget {
+            send: patience,
+            commit: Some(patience),
+            commit_attempts: usize::MAX,
+        }
+    }
+}
+
 /// A producer made from `config`, its transactions initialised (which
 /// fences any other producer with the same transactional id and ends its
 /// open transaction).
@@ -1015,13 +1024,9 @@ fn initialised(
     config: &ClientConfig,
     statistics: ProducerStatistics,
     timeout: Duration,
-) -> Result<FutureProducer<ProducerStatistics>, QueueError> {
-    let producer: FutureProducer<ProducerStatistics> = config
-        .create_with_context(statistics)
-        .map_err(QueueError::client)?;
-    producer
-        .init_transactions(timeout)
-        .map_err(QueueError::client)?;
+) -> Result<FutureProducer<ProducerStatistics>, KafkaError> {
+    let producer: FutureProducer<ProducerStatistics> = config.create_with_context(statistics)?;
+    producer.init_transactions(timeout)?;
     Ok(producer)
 }
 
