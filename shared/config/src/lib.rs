@@ -86,6 +86,9 @@ pub struct WorkerSettings {
     pub wedged_after_ms: u64,
     pub restart_backoff_initial_ms: u64,
     pub restart_backoff_max_ms: u64,
+    /// How often the worker asks Kafka what its topics are (ids, partition
+    /// counts): a recreated topic or a grown one is noticed within this.
+    pub topic_check_interval_ms: u64,
 }
 
 impl WorkerSettings {
@@ -116,6 +119,9 @@ pub struct KafkaSettings {
     pub bootstrap_servers: String,
     pub transaction_timeout_ms: u64,
     pub request_timeout_ms: u64,
+    /// Partitions of the records and watermark topics when they are
+    /// created; growing them later is `report-generator partitions grow`.
+    pub partitions: i32,
     pub topics: TopicNames,
     /// librdkafka properties passed through as they are (TLS, SASL, tuning).
     /// Keys are normalised by [`KafkaSettings::client_properties`].
@@ -153,6 +159,7 @@ impl fmt::Debug for KafkaSettings {
             .field("bootstrap_servers", &self.bootstrap_servers)
             .field("transaction_timeout_ms", &self.transaction_timeout_ms)
             .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("partitions", &self.partitions)
             .field("topics", &self.topics)
             .field("properties", &RedactedProperties(&self.properties))
             .finish()

@@ -466,7 +466,7 @@ mod tests {
         let stream = StreamName::new("orders").unwrap();
         assert_eq!(
             render(template, &parts(3, 42)),
-            crate::layout::report_key(&stream, 3, 42, true)
+            crate::layout::report_key(&stream, 3, 42, true, None)
         );
     }
 

@@ -9,14 +9,17 @@
 //! - `manifests/{report_id}.json`: what a report holds, written after its
 //!   document, so a manifest always names a complete object;
 //! - `definitions/{stream}.json`: the API's readable copy of a stream's
-//!   definition (the log holds the authoritative one).
+//!   definition (the log holds the authoritative one);
+//! - `logs/{records topic}.json`: the first log quire ran on under that
+//!   topic name (`LogRegistry`); keys and report ids of every later log
+//!   carry its tag (`…-{first_offset}~{tag}.xml`).
 //!
 //! quire-s3 knows none of this: its callers give it keys, content types and
 //! retention prefixes from here.
 
 use crate::key_template::{self, KeyParts};
 use crate::window::CivilHour;
-use crate::{Definition, ReportId, StreamName};
+use crate::{Definition, LogTag, ReportId, StreamName};
 
 /// Where documents live.
 pub const REPORTS_PREFIX: &str = "reports/";
@@ -24,6 +27,8 @@ pub const REPORTS_PREFIX: &str = "reports/";
 pub const MANIFESTS_PREFIX: &str = "manifests/";
 /// Where the API keeps definitions' readable copies.
 pub const DEFINITIONS_PREFIX: &str = "definitions/";
+/// Where the bucket remembers the first log of each records topic name.
+pub const LOGS_PREFIX: &str = "logs/";
 
 /// Where windowed reports are indexed by window: a copy of each manifest
 /// under `windows/{stream}/{window_start_ms:020}/{report_id}.json`, so a
@@ -45,37 +50,85 @@ pub const GZIP_CONTENT_TYPE: &str = "application/gzip";
 /// The media type of manifests and definitions.
 pub const JSON_CONTENT_TYPE: &str = "application/json";
 
-/// A document's S3 key, fixed when it opens.
-pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: bool) -> String {
+/// A document's S3 key, fixed when it opens. A log other than the first
+/// (`log`: the records topic was deleted and created again) puts its tag
+/// before the extension, so no key of an earlier log is written again.
+pub fn report_key(
+    stream: &StreamName,
+    partition: i32,
+    first_offset: i64,
+    gzip: bool,
+    log: Option<&LogTag>,
+) -> String {
     let extension = if gzip { "xml.gz" } else { "xml" };
-    format!("{REPORTS_PREFIX}{stream}/{partition:05}-{first_offset:020}.{extension}")
+    format!(
+        "{REPORTS_PREFIX}{stream}/{partition:05}-{first_offset:020}{}.{extension}",
+        log_suffix(log)
+    )
+}
+
+/// `~{tag}` for a log other than the first, else nothing.
+fn log_suffix(log: Option<&LogTag>) -> String {
+    log.map_or_else(String::new, |tag| format!("~{tag}"))
+}
+
+/// Where the bucket remembers the first log quire ran on under the records
+/// topic's name `topic` ([`crate::LogRegistry`]). Kafka topic names are
+/// `[A-Za-z0-9._-]`, 1 to 249 of them; `None` for any other name.
+pub fn log_registry_key(topic: &str) -> Option<String> {
+    let valid = !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || matches!(byte, b'.' | b'_' | b'-'));
+    valid.then(|| format!("{LOGS_PREFIX}{topic}.json"))
 }
 
 /// A document's S3 key under its definition: the definition's
 /// `key_template` rendered with `hour` (the window's start in its zone, or
-/// the first message's log time in UTC), or [`report_key`].
+/// the first message's log time in UTC), or [`report_key`]; a log other
+/// than the first puts its tag before the extension.
 pub fn document_key(
     stream: &StreamName,
     partition: i32,
     first_offset: i64,
     definition: &Definition,
     hour: CivilHour,
+    log: Option<&LogTag>,
 ) -> String {
     match &definition.key_template {
-        Some(template) => key_template::render(
-            template,
-            &KeyParts {
-                stream: stream.as_str(),
-                year: hour.year,
-                month: hour.month,
-                day: hour.day,
-                hour: hour.hour,
-                partition,
-                first_offset,
-            },
+        Some(template) => tagged(
+            key_template::render(
+                template,
+                &KeyParts {
+                    stream: stream.as_str(),
+                    year: hour.year,
+                    month: hour.month,
+                    day: hour.day,
+                    hour: hour.hour,
+                    partition,
+                    first_offset,
+                },
+            ),
+            log,
         ),
-        None => report_key(stream, partition, first_offset, definition.gzip),
+        None => report_key(stream, partition, first_offset, definition.gzip, log),
     }
+}
+
+/// `key` with `~{tag}` before its extension (`.xml` or `.xml.gz`, which
+/// every template ends with).
+fn tagged(key: String, log: Option<&LogTag>) -> String {
+    let Some(tag) = log else {
+        return key;
+    };
+    let at = key
+        .strip_suffix(".xml.gz")
+        .or_else(|| key.strip_suffix(".xml"))
+        .map_or(key.len(), str::len);
+    format!("{}~{tag}{}", &key[..at], &key[at..])
 }
 
 /// Whether `key` is a document of record partition `partition` (of any
@@ -154,29 +207,25 @@ mod tests {
     fn report_keys_sort_in_log_order() {
         let stream = orders();
         assert_eq!(
-            report_key(&stream, 3, 42, false),
+            report_key(&stream, 3, 42, false, None),
             "reports/orders/00003-00000000000000000042.xml"
         );
-        assert!(report_key(&stream, 3, 9, false) < report_key(&stream, 3, 10, false));
-        let compressed = report_key(&stream, 3, 9, true);
+        assert!(report_key(&stream, 3, 9, false, None) < report_key(&stream, 3, 10, false, None));
+        let compressed = report_key(&stream, 3, 9, true, None);
         assert_eq!(
             compressed,
             "reports/orders/00003-00000000000000000009.xml.gz"
         );
         assert_eq!(report_content_type(&compressed), GZIP_CONTENT_TYPE);
         assert_eq!(
-            report_content_type(&report_key(&stream, 3, 9, false)),
+            report_content_type(&report_key(&stream, 3, 9, false, None)),
             XML_CONTENT_TYPE
         );
     }
 
     #[test]
     fn manifests_and_definitions_have_their_keys() {
-        let id = ReportId {
-            stream: orders(),
-            partition: 3,
-            offset: 1042,
-        };
+        let id = ReportId::new(orders(), 3, 1042, None);
         assert_eq!(manifest_key(&id), "manifests/orders~3-1042.json");
         assert!(manifest_key(&id).starts_with(&manifest_prefix(&orders())));
         assert_eq!(definition_key(&orders()), "definitions/orders.json");
@@ -192,12 +241,45 @@ mod tests {
 
     #[test]
     fn a_report_key_belongs_to_the_partition_it_names() {
-        let key = report_key(&StreamName::new("a.b-c").unwrap(), 7, 12, true);
+        let key = report_key(&StreamName::new("a.b-c").unwrap(), 7, 12, true, None);
         assert!(report_key_belongs_to(&key, 7));
+        let later = report_key(
+            &StreamName::new("a.b-c").unwrap(),
+            7,
+            12,
+            true,
+            Some(&LogTag::of("later")),
+        );
+        assert!(later.ends_with(&format!(
+            "00007-00000000000000000012~{}.xml.gz",
+            LogTag::of("later")
+        )));
+        assert!(report_key_belongs_to(&later, 7));
         assert!(!report_key_belongs_to(&key, 3));
         assert!(!report_key_belongs_to(&key, 70));
         assert!(!report_key_belongs_to("manifests/a~7-12.json", 7));
         assert!(!report_key_belongs_to("reports/a/00007-x.xml", 7));
+    }
+
+    #[test]
+    fn a_later_log_tags_templated_keys_before_their_extension() {
+        let tag = LogTag::of("later");
+        assert_eq!(
+            tagged("reports/o/dt=2026/00001-x.xml".into(), Some(&tag)),
+            format!("reports/o/dt=2026/00001-x~{tag}.xml")
+        );
+        assert_eq!(
+            tagged("reports/o/x.xml.gz".into(), Some(&tag)),
+            format!("reports/o/x~{tag}.xml.gz")
+        );
+        assert_eq!(tagged("reports/o/x.xml".into(), None), "reports/o/x.xml");
+        assert_eq!(
+            log_registry_key("quire.records").as_deref(),
+            Some("logs/quire.records.json")
+        );
+        for bad in ["", "..", "a/b", "a b", &"x".repeat(250)] {
+            assert_eq!(log_registry_key(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

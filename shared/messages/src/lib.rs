@@ -22,6 +22,7 @@
 mod definition;
 pub mod key_template;
 pub mod layout;
+pub mod log;
 mod names;
 pub mod records;
 mod report;
@@ -33,6 +34,7 @@ pub use definition::{
     Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
     is_xml_name_start_char,
 };
+pub use log::{Handover, LogLayout, LogRegistry, LogTag, PartitionMove, PartitionMoved};
 pub use names::{ReportId, StreamName, StreamNameError};
 pub use report::{
     DeadLetter, Manifest, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
@@ -60,6 +62,12 @@ pub enum MessageKind {
     /// producer may have left open there (a marker a crashed coordinator
     /// skipped). Workers skip it.
     Release,
+    /// A growth of the partition layout reaching this partition
+    /// ([`PartitionMove`], no key): the streams that move complete their
+    /// documents here and are handed over to their new partitions.
+    Move,
+    /// A stream arriving on its new partition ([`Handover`], on its key).
+    Handover,
 }
 
 impl MessageKind {
@@ -69,6 +77,8 @@ impl MessageKind {
             MessageKind::Cut => "cut",
             MessageKind::Definition => "definition",
             MessageKind::Release => "release",
+            MessageKind::Move => "move",
+            MessageKind::Handover => "handover",
         }
     }
 
@@ -78,6 +88,8 @@ impl MessageKind {
             b"cut" => Some(MessageKind::Cut),
             b"definition" => Some(MessageKind::Definition),
             b"release" => Some(MessageKind::Release),
+            b"move" => Some(MessageKind::Move),
+            b"handover" => Some(MessageKind::Handover),
             _ => None,
         }
     }
@@ -189,7 +201,18 @@ macro_rules! versioned {
         }
     )*};
 }
-versioned!(CutMarker, ReportEvent, Watermark, DeadLetter, Manifest);
+versioned!(
+    CutMarker,
+    ReportEvent,
+    Watermark,
+    DeadLetter,
+    Manifest,
+    LogRegistry,
+    LogLayout,
+    PartitionMove,
+    PartitionMoved,
+    Handover
+);
 
 /// Definitions gained `gzip` in version 2 ([`Definition::GZIP_VERSION`]), and
 /// `window` and `key_template` in version 3 ([`Definition::WINDOW_VERSION`]).
@@ -227,6 +250,9 @@ mod tests {
             MessageKind::Record,
             MessageKind::Cut,
             MessageKind::Definition,
+            MessageKind::Release,
+            MessageKind::Move,
+            MessageKind::Handover,
         ] {
             assert_eq!(
                 MessageKind::from_header(kind.as_header().as_bytes()),

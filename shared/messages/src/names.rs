@@ -5,6 +5,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::LogTag;
+
 /// A stream name: 1-128 characters of `A-Z a-z 0-9 . _ -`, starting with a
 /// letter or digit. It becomes a Kafka key, an S3 key segment and a URL
 /// segment, so nothing else is allowed (no `/`, no `..`, no spaces).
@@ -77,6 +79,22 @@ pub struct ReportId {
     pub stream: StreamName,
     pub partition: i32,
     pub offset: i64,
+    /// The log the report was cut from, when it is not the first log quire
+    /// ran on under the records topic's name (see [`crate::log`]).
+    pub log: Option<LogTag>,
+}
+
+impl ReportId {
+    /// The id of the report whose cut is at `partition` and `offset` of
+    /// the log tagged `log` (none: the first log).
+    pub fn new(stream: StreamName, partition: i32, offset: i64, log: Option<LogTag>) -> Self {
+        ReportId {
+            stream,
+            partition,
+            offset,
+            log,
+        }
+    }
 }
 
 impl fmt::Display for ReportId {
@@ -85,16 +103,31 @@ impl fmt::Display for ReportId {
             formatter,
             "{}~{}-{}",
             self.stream, self.partition, self.offset
-        )
+        )?;
+        match &self.log {
+            Some(tag) => write!(formatter, "~{tag}"),
+            None => Ok(()),
+        }
     }
 }
 
 impl FromStr for ReportId {
     type Err = String;
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let malformed =
-            || format!("report id {text:?} is not of the form <stream>~<partition>-<offset>");
-        let (stream, position) = text.split_once('~').ok_or_else(malformed)?;
+        let malformed = || {
+            format!("report id {text:?} is not of the form <stream>~<partition>-<offset>[~<log>]")
+        };
+        let (stream, rest) = text.split_once('~').ok_or_else(malformed)?;
+        let (position, log) = match rest.split_once('~') {
+            Some((position, tag)) => (
+                position,
+                Some(
+                    tag.parse::<LogTag>()
+                        .map_err(|error| format!("report id {text:?}: {error}"))?,
+                ),
+            ),
+            None => (rest, None),
+        };
         let stream =
             StreamName::new(stream).map_err(|error| format!("report id {text:?}: {error}"))?;
         let (partition, offset) = position.split_once('-').ok_or_else(malformed)?;
@@ -108,6 +141,7 @@ impl FromStr for ReportId {
             stream,
             partition: partition.parse().map_err(|_| malformed())?,
             offset: offset.parse().map_err(|_| malformed())?,
+            log,
         })
     }
 }
@@ -150,13 +184,18 @@ mod tests {
 
     #[test]
     fn report_ids_round_trip_and_reject_garbage() {
-        let id = ReportId {
-            stream: StreamName::new("orders").unwrap(),
-            partition: 3,
-            offset: 1042,
-        };
+        let id = ReportId::new(StreamName::new("orders").unwrap(), 3, 1042, None);
         assert_eq!(id.to_string(), "orders~3-1042");
         assert_eq!("orders~3-1042".parse::<ReportId>(), Ok(id.clone()));
+        let later = ReportId::new(
+            StreamName::new("orders").unwrap(),
+            3,
+            1042,
+            Some(LogTag::of("another log")),
+        );
+        let text = later.to_string();
+        assert!(text.starts_with("orders~3-1042~") && text.len() == "orders~3-1042~".len() + 12);
+        assert_eq!(text.parse::<ReportId>(), Ok(later));
         for bad in [
             "",
             "3-1",
@@ -168,6 +207,10 @@ mod tests {
             "../x~3-1",
             "orders~+3-1",
             "orders~99999999999999999999-1",
+            "orders~3-1~",
+            "orders~3-1~ABCDEF012345",
+            "orders~3-1~0123456789ab~0123456789ab",
+            "orders~3-1~../../etc/pa",
         ] {
             assert!(bad.parse::<ReportId>().is_err(), "{bad:?} parsed");
         }

@@ -9,17 +9,41 @@
 //! | `cut` | the stream | a [`CutMarker`] |
 //! | `definition` | the stream | a [`Definition`] |
 //! | `release` | none (records) or [`RELEASE_KEY`] (compacted topics) | `{"v":1}` |
+//! | `move` | none, one per partition of the old layout | a [`PartitionMove`] |
+//! | `handover` | the stream, on its new partition | a [`Handover`] |
+//!
+//! The watermark topic holds, beside each stream's [`crate::Watermark`],
+//! the partition layout on partition 0 under [`LAYOUT_KEY`] ([`layout`]).
+//! Keys starting `quire:` are quire's own ([`is_reserved_key`]): no stream
+//! name can start so.
 //!
 //! Every message carries `quire-v: CURRENT_VERSION`; a reader refuses a
 //! newer one ([`unreadable_version`]), never misreads it.
 
 use crate::{
-    CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, StreamName,
+    CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, Handover, LogLayout,
+    MessageKind, PartitionMove, PartitionMoved, StreamName,
 };
 
 /// The key of release messages on a compacted topic (which refuses
 /// keyless messages): no stream can have it.
 pub const RELEASE_KEY: &str = "quire:release";
+
+/// The key of the partition layout on the watermark topic (partition 0).
+pub const LAYOUT_KEY: &str = "quire:layout";
+
+/// The watermark topic's partition that holds the layout.
+pub const LAYOUT_PARTITION: i32 = 0;
+
+/// The key under which a worker records, on watermark partition p, that it
+/// processed partition p's move marker ([`moved`]).
+pub const MOVED_KEY: &str = "quire:moved";
+
+/// Whether a key on a compacted topic is one of quire's own (a release, the
+/// layout), never a stream's.
+pub fn is_reserved_key(key: &[u8]) -> bool {
+    key.starts_with(b"quire:")
+}
 
 /// One message as quire writes it, without its topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +89,46 @@ pub fn cut(stream: &StreamName, marker: &CutMarker) -> LogMessage {
 /// A definition change of `stream`.
 pub fn definition(stream: &StreamName, definition: &Definition) -> LogMessage {
     control(MessageKind::Definition, stream, crate::encode(definition))
+}
+
+/// The marker of a growth to `partitions` partitions on `partition` of the
+/// old layout: no key, no stream (see [`PartitionMove`]).
+pub fn partition_move(partition: i32, marker: &PartitionMove) -> LogMessage {
+    LogMessage {
+        key: None,
+        headers: headers(MessageKind::Move),
+        payload: crate::encode(marker),
+        partition: Some(partition),
+    }
+}
+
+/// `stream` arriving on `partition`, its new one (see [`Handover`]).
+pub fn handover(stream: &StreamName, partition: i32, handover: &Handover) -> LogMessage {
+    LogMessage {
+        partition: Some(partition),
+        ..control(MessageKind::Handover, stream, crate::encode(handover))
+    }
+}
+
+/// The partition layout as the watermark topic holds it: key
+/// [`LAYOUT_KEY`] on [`LAYOUT_PARTITION`].
+pub fn layout(layout: &LogLayout) -> LogMessage {
+    LogMessage {
+        key: Some(LAYOUT_KEY.as_bytes().to_vec()),
+        headers: Vec::new(),
+        payload: crate::encode(layout),
+        partition: Some(LAYOUT_PARTITION),
+    }
+}
+
+/// On watermark partition `partition`: its move marker was processed.
+pub fn moved(partition: i32, moved: &PartitionMoved) -> LogMessage {
+    LogMessage {
+        key: Some(MOVED_KEY.as_bytes().to_vec()),
+        headers: Vec::new(),
+        payload: crate::encode(moved),
+        partition: Some(partition),
+    }
 }
 
 /// A release message for `partition` of the records topic (see
@@ -138,6 +202,24 @@ mod tests {
             (cut(&stream, &CutMarker::explicit()), MessageKind::Cut),
             (release(3), MessageKind::Release),
             (keyed_release(3), MessageKind::Release),
+            (
+                partition_move(3, &PartitionMove::new(12, 16)),
+                MessageKind::Move,
+            ),
+            (
+                handover(
+                    &stream,
+                    13,
+                    &Handover {
+                        v: CURRENT_VERSION,
+                        from_partition: 3,
+                        from_offset: 9,
+                        definition: None,
+                        window: None,
+                    },
+                ),
+                MessageKind::Handover,
+            ),
         ];
         for (message, kind) in messages {
             assert_eq!(kind_of(header(&message, HEADER_KIND)), Some(kind));
@@ -154,6 +236,31 @@ mod tests {
         assert_eq!(message.payload, text);
         assert_eq!(message.key.as_deref(), Some(b"orders".as_slice()));
         assert_eq!(message.partition, None);
+    }
+
+    #[test]
+    fn moves_and_handovers_go_to_the_partition_they_name_and_the_layout_to_zero() {
+        let stream = StreamName::new("orders").unwrap();
+        let marker = partition_move(5, &PartitionMove::new(12, 16));
+        assert_eq!((marker.key.as_deref(), marker.partition), (None, Some(5)));
+        let arrival = handover(
+            &stream,
+            13,
+            &Handover {
+                v: CURRENT_VERSION,
+                from_partition: 5,
+                from_offset: 9,
+                definition: None,
+                window: None,
+            },
+        );
+        assert_eq!(arrival.key.as_deref(), Some(b"orders".as_slice()));
+        assert_eq!(arrival.partition, Some(13));
+        let stored = layout(&LogLayout::new("id", 16));
+        assert_eq!(stored.partition, Some(LAYOUT_PARTITION));
+        assert!(is_reserved_key(stored.key.as_deref().unwrap()));
+        assert!(is_reserved_key(RELEASE_KEY.as_bytes()));
+        assert!(!is_reserved_key(b"orders"));
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub enum Trigger {
     /// The document's time window ended (a later message of its partition,
     /// or the window's marker, is at or past the window's end).
     Window,
+    /// The stream moved to another partition (a growth of the partition
+    /// layout): its document ends at the move marker.
+    Move,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +111,12 @@ pub struct Watermark {
     /// A windowed stream's progress through its windows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<WindowProgress>,
+    /// The Kafka topic id of the records log this watermark is of: a
+    /// watermark of another log (the topic was deleted and created again)
+    /// does not apply. Absent in watermarks written before it existed,
+    /// which are taken as the first log's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
 }
 
 /// How far a windowed stream is through its windows: every window before
@@ -228,6 +237,10 @@ pub struct Manifest {
     /// rollovers split the window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_sequence: Option<u32>,
+    /// The Kafka topic id of the records log the report was cut from
+    /// (absent in manifests written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         partitions: 3,
         replication: 1,
         config: Vec::new(),
+        growable: false,
     };
     quire_queue::ensure_topics(&settings, std::slice::from_ref(&spec)).await?;
 

@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use quire_config::{KafkaSettings, TopicNames};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, NewPartitions, NewTopic, ResourceSpecifier, TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
@@ -18,7 +20,15 @@ pub struct TopicSpec {
     pub partitions: i32,
     pub replication: i32,
     pub config: Vec<(String, String)>,
+    /// The records and watermark topics may have grown past `partitions`
+    /// (an operator's `--alter`, or quire's own growth procedure part way):
+    /// more partitions than expected is not a mismatch for them, fewer is.
+    pub growable: bool,
 }
+
+/// The partition count of the records and watermark topics when quire
+/// creates them, unless `kafka.partitions` says otherwise.
+pub const DEFAULT_PARTITIONS: i32 = 12;
 
 const SEVEN_DAYS_MS: u64 = 7 * 24 * 3600 * 1000;
 /// How long stored Idempotency-Key answers are kept (at least the API's
@@ -49,8 +59,10 @@ pub const TIMESTAMP_TYPE: &str = "message.timestamp.type";
 /// by producers' clocks.
 pub const LOG_APPEND_TIME: &str = "LogAppendTime";
 
-/// The project's topics, per DESIGN.md.
-pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
+/// The project's topics, per DESIGN.md: the records and watermark topics
+/// with `partitions` partitions each (watermark partition p belongs to
+/// record partition p), the others with fixed counts.
+pub fn design_topics(names: &TopicNames, replication: i32, partitions: i32) -> Vec<TopicSpec> {
     let spec = |name: &str, partitions: i32, config: &[(&str, String)]| TopicSpec {
         name: name.to_owned(),
         partitions,
@@ -59,11 +71,12 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
             .iter()
             .map(|(key, value)| ((*key).to_owned(), value.clone()))
             .collect(),
+        growable: name == names.records || name == names.watermarks,
     };
     vec![
         spec(
             &names.records,
-            12,
+            partitions,
             &[
                 ("retention.ms", SEVEN_DAYS_MS.to_string()),
                 (TIMESTAMP_TYPE, LOG_APPEND_TIME.to_owned()),
@@ -71,7 +84,7 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
         ),
         spec(
             &names.watermarks,
-            12,
+            partitions,
             &std::iter::once(("cleanup.policy", "compact".to_owned()))
                 .chain(
                     WATERMARK_COMPACTION
@@ -90,7 +103,9 @@ pub fn design_topics(names: &TopicNames, replication: i32) -> Vec<TopicSpec> {
     ]
 }
 
-fn admin_client(settings: &KafkaSettings) -> Result<AdminClient<DefaultClientContext>, QueueError> {
+pub(crate) fn admin_client(
+    settings: &KafkaSettings,
+) -> Result<AdminClient<DefaultClientContext>, QueueError> {
     base_config(settings)?.create().map_err(QueueError::client)
 }
 
@@ -127,6 +142,38 @@ pub async fn ensure_topics(
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((topic, code)) => {
                 return Err(QueueError::Admin(format!("creating topic {topic}: {code}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Grows `topic` to `partitions` partitions (CreatePartitions). A topic
+/// that already has them is left alone; fewer is refused by Kafka (a
+/// partition count never shrinks).
+pub async fn grow_topic(
+    settings: &KafkaSettings,
+    topic: &str,
+    partitions: i32,
+) -> Result<(), QueueError> {
+    let admin = admin_client(settings)?;
+    let count = usize::try_from(partitions).map_err(|_| {
+        QueueError::Admin(format!("growing topic {topic}: {partitions} partitions"))
+    })?;
+    let results = admin
+        .create_partitions(&[NewPartitions::new(topic, count)], &options(settings))
+        .await
+        .map_err(|error| QueueError::Admin(error.to_string()))?;
+    for result in results {
+        match result {
+            Ok(_) => {}
+            // Already that many: a growth run again after a partial one.
+            Err((_, RDKafkaErrorCode::InvalidPartitions))
+                if crate::describe_topic(settings, topic).await?.partitions == partitions => {}
+            Err((topic, code)) => {
+                return Err(QueueError::Admin(format!(
+                    "growing topic {topic} to {partitions} partitions: {code}"
+                )));
             }
         }
     }
@@ -185,10 +232,17 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
                 ))
             })?;
         let partitions = found.partitions().len() as i32;
-        if partitions != spec.partitions {
+        let fits = if spec.growable {
+            partitions >= spec.partitions
+        } else {
+            partitions == spec.partitions
+        };
+        if !fits {
             return Err(QueueError::TopicMismatch(format!(
-                "topic {} has {partitions} partitions, expected {}",
-                spec.name, spec.partitions
+                "topic {} has {partitions} partitions, expected {}{}",
+                spec.name,
+                if spec.growable { "at least " } else { "" },
+                spec.partitions
             )));
         }
         let config = config.map_err(|code| {
@@ -270,7 +324,7 @@ mod tests {
             dead_letters: "d".into(),
             idempotency: "i".into(),
         };
-        let specs = design_topics(&names, 1);
+        let specs = design_topics(&names, 1, DEFAULT_PARTITIONS);
         let watermarks = specs.iter().find(|spec| spec.name == "w").unwrap();
         for (key, value) in WATERMARK_COMPACTION {
             assert!(

@@ -109,6 +109,18 @@ pub(crate) fn producer_config(
     Ok(config)
 }
 
+/// An idempotent producer outside any transaction: for the few writes that
+/// readers take uncommitted (the partition layout), so that nobody's open
+/// transaction on the same partition can hold them back.
+pub(crate) fn plain_producer_config(settings: &KafkaSettings) -> Result<ClientConfig, QueueError> {
+    let mut config = base_config(settings)?;
+    config
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("partitioner", "murmur2_random");
+    Ok(config)
+}
+
 /// A group consumer's configuration: read_committed, no auto commit, no
 /// silent offset reset, partition EOF events for drain mode.
 pub(crate) fn consumer_config(
@@ -125,6 +137,11 @@ pub(crate) fn consumer_config(
     // benchmark at 1,000,000 records, 8 MiB took the worker from 107k to
     // 154k records/s. The user may still set it.
     set_default(&mut config, "max.partition.fetch.bytes", "8388608");
+    // Partitions added to the topic are noticed (and the group rebalanced
+    // to assign them) within seconds, not at librdkafka's default five
+    // minutes: a grown records topic is served at once. One metadata
+    // request per interval; the user may still set it.
+    set_default(&mut config, "topic.metadata.refresh.interval.ms", "5000");
     config
         .set("group.id", group_id)
         .set("enable.auto.commit", "false")

@@ -34,6 +34,12 @@ pub struct ConsumerOptions {
     /// `session.timeout.ms`: how long a silent member (a static one included)
     /// keeps its partitions; `None` leaves librdkafka's default (45 s).
     pub session_timeout: Option<Duration>,
+    /// Written with every offset this consumer commits (Kafka keeps a
+    /// metadata string beside each committed offset) and read back when a
+    /// partition is assigned ([`ArrayConsumer::committed_metadata`]): what
+    /// the committer wants its successor to check (the worker: the
+    /// watermark topic its offsets were committed with).
+    pub commit_metadata: Option<String>,
 }
 
 impl ConsumerOptions {
@@ -45,6 +51,7 @@ impl ConsumerOptions {
             cooperative: false,
             statistics_interval: None,
             session_timeout: None,
+            commit_metadata: None,
         }
     }
 }
@@ -142,6 +149,7 @@ pub struct ArrayConsumer {
     poll_lock: Arc<Mutex<()>>,
     topic: String,
     timeout: Duration,
+    commit_metadata: Option<Arc<str>>,
 }
 
 impl ArrayConsumer {
@@ -169,7 +177,69 @@ impl ArrayConsumer {
             poll_lock: Arc::new(Mutex::new(())),
             topic: options.topic.clone(),
             timeout,
+            commit_metadata: options.commit_metadata.as_deref().map(Arc::from),
         })
+    }
+
+    /// The metadata committed with `partition`'s offset, as read when it was
+    /// assigned (none: never committed, or committed without any).
+    pub fn committed_metadata(&self, partition: i32) -> Option<String> {
+        self.consumer
+            .context()
+            .lock()
+            .committed_metadata
+            .get(&partition)
+            .cloned()
+    }
+
+    /// Starts fetching paused `partitions` again from their commit points
+    /// (what the group holds for them: the caller served nothing of them,
+    /// and messages of theirs an earlier read returned were skipped).
+    pub fn resume_from_commit_points(&self, partitions: &[i32]) -> Result<(), QueueError> {
+        let _no_rebalance = self.poll_lock.lock().expect("poll lock");
+        let points = {
+            let state = self.consumer.context().lock();
+            partitions
+                .iter()
+                .map(|partition| (*partition, state.commit_points.get(partition).copied()))
+                .collect::<Vec<_>>()
+        };
+        let mut seek = TopicPartitionList::new();
+        let mut resume = TopicPartitionList::new();
+        for (partition, point) in points {
+            resume.add_partition(&self.topic, partition);
+            let offset = point.map_or(Offset::Beginning, Offset::Offset);
+            seek.add_partition_offset(&self.topic, partition, offset)
+                .map_err(QueueError::Consume)?;
+        }
+        self.consumer
+            .seek_partitions(seek, self.timeout)
+            .map_err(QueueError::Consume)?;
+        self.consumer.resume(&resume).map_err(QueueError::Consume)?;
+        let mut state = self.consumer.context().lock();
+        for partition in partitions {
+            state.paused.remove(partition);
+            state.at_end.remove(partition);
+        }
+        Ok(())
+    }
+
+    /// Stops fetching `partitions` (assigned ones) until they are revoked or
+    /// the consumer is closed: partitions the caller holds but cannot serve.
+    /// A paused partition does not hold back [`Array::caught_up`].
+    pub fn pause(&self, partitions: &[i32]) -> Result<(), QueueError> {
+        let mut list = TopicPartitionList::new();
+        for &partition in partitions {
+            list.add_partition(&self.topic, partition);
+        }
+        let _no_rebalance = self.poll_lock.lock().expect("poll lock");
+        self.consumer.pause(&list).map_err(QueueError::Consume)?;
+        self.consumer
+            .context()
+            .lock()
+            .paused
+            .extend(partitions.iter().copied());
+        Ok(())
     }
 
     /// The partitions assigned now.
@@ -232,6 +302,7 @@ impl ArrayConsumer {
         let consumer = Arc::clone(&self.consumer);
         let poll_lock = Arc::clone(&self.poll_lock);
         let topic = self.topic.clone();
+        let metadata = self.commit_metadata.clone();
         let assignment = array.assignment.clone();
         tokio::task::spawn_blocking(move || {
             let _no_rebalance = poll_lock.lock().expect("poll lock");
@@ -239,7 +310,7 @@ impl ArrayConsumer {
             if outcome.committed.is_empty() {
                 return Ok(outcome);
             }
-            let list = offset_list(&topic, &outcome.committed)?;
+            let list = offset_list(&topic, &outcome.committed, metadata.as_deref())?;
             consumer
                 .commit(&list, CommitMode::Sync)
                 .map_err(commit_error)?;
@@ -282,6 +353,7 @@ impl ArrayConsumer {
         let consumer = Arc::clone(&self.consumer);
         let poll_lock = Arc::clone(&self.poll_lock);
         let topic = self.topic.clone();
+        let metadata = self.commit_metadata.clone();
         let assignment = array.assignment.clone();
         let offsets = offsets.unwrap_or_else(|| array.next_offsets());
         let producer = producer.clone();
@@ -291,7 +363,7 @@ impl ArrayConsumer {
             let group_metadata = consumer.group_metadata().ok_or_else(|| {
                 QueueError::Commit(KafkaError::ConsumerCommit(RDKafkaErrorCode::InvalidGroupId))
             })?;
-            let list = offset_list(&topic, &commit.committed)?;
+            let list = offset_list(&topic, &commit.committed, metadata.as_deref())?;
             let in_transaction = (!commit.committed.is_empty()).then_some(OffsetsInTransaction {
                 offsets: list,
                 group_metadata,
@@ -536,11 +608,17 @@ fn every_owned_partition(
 fn offset_list(
     topic: &str,
     offsets: &BTreeMap<i32, i64>,
+    metadata: Option<&str>,
 ) -> Result<TopicPartitionList, QueueError> {
     let mut list = TopicPartitionList::with_capacity(offsets.len());
     for (&partition, &offset) in offsets {
         list.add_partition_offset(topic, partition, Offset::Offset(offset))
             .map_err(QueueError::Commit)?;
+        if let Some(metadata) = metadata
+            && let Some(mut element) = list.find_partition(topic, partition)
+        {
+            element.set_metadata(metadata);
+        }
     }
     Ok(list)
 }

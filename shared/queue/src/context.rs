@@ -63,6 +63,12 @@ pub(crate) struct AssignmentState {
     /// Whether the last statistics showed at least one broker connected;
     /// `None` before the first statistics.
     pub brokers_up: Option<bool>,
+    /// The metadata committed beside each assigned partition's offset, read
+    /// at assignment (absent: none).
+    pub committed_metadata: BTreeMap<i32, String>,
+    /// Assigned partitions the caller paused (it holds them, cannot serve
+    /// them): they do not hold back `caught_up`.
+    pub paused: BTreeSet<i32>,
 }
 
 /// Where one partition stands, from librdkafka's statistics.
@@ -130,7 +136,7 @@ impl AssignmentState {
             && self
                 .assigned
                 .keys()
-                .all(|partition| self.at_end.contains(partition))
+                .all(|partition| self.at_end.contains(partition) || self.paused.contains(partition))
     }
 }
 
@@ -161,8 +167,9 @@ impl QueueContext {
         &self,
         consumer: &BaseConsumer<Self>,
         assignment: &mut TopicPartitionList,
-    ) -> BTreeMap<i32, i64> {
+    ) -> (BTreeMap<i32, i64>, BTreeMap<i32, String>) {
         let mut starts = BTreeMap::new();
+        let mut metadata = BTreeMap::new();
         let committed = match consumer.committed_offsets(assignment.clone(), self.request_timeout) {
             Ok(committed) => committed,
             Err(error) => {
@@ -170,10 +177,13 @@ impl QueueContext {
                 // "committed": assign anyway (librdkafka fetches them itself)
                 // and let an out-of-range surface as an error.
                 tracing::warn!(error = %error, "could not read committed offsets on assignment");
-                return starts;
+                return (starts, metadata);
             }
         };
         for element in committed.elements() {
+            if !element.metadata().is_empty() {
+                metadata.insert(element.partition(), element.metadata().to_owned());
+            }
             let start = match element.offset() {
                 Offset::Offset(offset) => {
                     starts.insert(element.partition(), offset);
@@ -205,7 +215,7 @@ impl QueueContext {
                 tracing::warn!(error = %error, partition = element.partition(), "could not set start offset");
             }
         }
-        starts
+        (starts, metadata)
     }
 }
 
@@ -271,7 +281,7 @@ impl ConsumerContext for QueueContext {
             .collect();
         match error {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                let starts = self.set_start_offsets(consumer, partitions);
+                let (starts, metadata) = self.set_start_offsets(consumer, partitions);
                 let result = if cooperative {
                     consumer.incremental_assign(partitions)
                 } else {
@@ -286,6 +296,8 @@ impl ConsumerContext for QueueContext {
                 if !cooperative {
                     state.assigned.clear();
                     state.commit_points.clear();
+                    state.paused.clear();
+                    state.committed_metadata.clear();
                 }
                 for &partition in &numbers {
                     state.next_epoch += 1;
@@ -295,6 +307,11 @@ impl ConsumerContext for QueueContext {
                     match starts.get(&partition) {
                         Some(&start) => state.commit_points.insert(partition, start),
                         None => state.commit_points.remove(&partition),
+                    };
+                    state.paused.remove(&partition);
+                    match metadata.get(&partition) {
+                        Some(text) => state.committed_metadata.insert(partition, text.clone()),
+                        None => state.committed_metadata.remove(&partition),
                     };
                 }
                 state.joined = true;
@@ -309,6 +326,8 @@ impl ConsumerContext for QueueContext {
                         state.assigned.remove(partition);
                         state.commit_points.remove(partition);
                         state.at_end.remove(partition);
+                        state.paused.remove(partition);
+                        state.committed_metadata.remove(partition);
                     }
                     tracing::info!(partitions = ?numbers, lost, "partitions revoked");
                     state.pending_events.push(RebalanceEvent::Revoked {

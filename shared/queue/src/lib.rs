@@ -22,15 +22,18 @@ mod admin;
 mod client;
 mod consumer;
 mod context;
+mod describe;
 mod error;
 mod group_commit;
 mod message;
+mod plain;
 mod producer;
 mod reader;
 mod tail;
 
 pub use admin::{
-    TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics, design_topics, ensure_topics,
+    DEFAULT_PARTITIONS, TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics,
+    design_topics, ensure_topics, grow_topic,
 };
 pub use client::PROTECTED_PROPERTIES;
 pub use consumer::{
@@ -38,9 +41,11 @@ pub use consumer::{
     TransactionOutcome,
 };
 pub use context::{PartitionProgress, RebalanceEvent};
+pub use describe::{TopicIdentity, describe_topic, describe_topic_blocking, partition_for_key};
 pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
+pub use plain::send_acknowledged;
 pub use producer::{
     Followers, ProducerOptions, ProducerStatistics, Release, TransactionalProducer,
 };

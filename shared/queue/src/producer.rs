@@ -312,6 +312,28 @@ impl TransactionalProducer {
         &self.inner.statistics
     }
 
+    /// Asks the brokers for `topic`'s metadata now, which librdkafka also
+    /// keeps for its own routing (rather than at its next periodic refresh,
+    /// five minutes by default): returns the partition count this producer
+    /// knows, so a caller that chooses partitions itself never names one the
+    /// client has not heard of.
+    pub async fn refresh_partitions(&self, topic: &str) -> Result<i32, QueueError> {
+        let producer = self.inner.producer();
+        let (topic, timeout) = (topic.to_owned(), self.inner.timeout);
+        tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(Some(&topic), timeout)
+                .map_err(QueueError::client)?;
+            Ok(metadata
+                .topics()
+                .iter()
+                .find(|found| found.name() == topic && found.error().is_none())
+                .map_or(0, |found| found.partitions().len() as i32))
+        })
+        .await?
+    }
+
     /// Publishes `messages` in one transaction: all visible to read_committed
     /// consumers or none. Returns one id per message, in order.
     ///
@@ -869,28 +891,7 @@ impl Inner {
         deadline: std::time::Instant,
     ) -> Result<DeliveryFuture, QueueError> {
         loop {
-            let mut record: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&message.topic).payload(message.payload.as_slice());
-            if let Some(key) = &message.key {
-                record = record.key(key.as_slice());
-            }
-            if let Some(partition) = message.partition {
-                record = record.partition(partition);
-            }
-            if !message.headers.is_empty() {
-                let headers =
-                    message
-                        .headers
-                        .iter()
-                        .fold(OwnedHeaders::new(), |headers, (name, value)| {
-                            headers.insert(Header {
-                                key: name,
-                                value: Some(value.as_slice()),
-                            })
-                        });
-                record = record.headers(headers);
-            }
-            match self.producer().send_result(record) {
+            match self.producer().send_result(future_record(message)) {
                 Ok(delivery) => return Ok(delivery),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _))
                     if std::time::Instant::now() < deadline =>
@@ -1040,4 +1041,30 @@ fn retire(producer: FutureProducer<ProducerStatistics>) {
     if let Err(error) = spawned {
         tracing::warn!(error = %error, "cannot start a thread to close a replaced producer");
     }
+}
+
+/// `message` as librdkafka's record: topic, payload, key, the partition
+/// when the caller chose one, headers.
+pub(crate) fn future_record(message: &OutMessage) -> FutureRecord<'_, [u8], [u8]> {
+    let mut record: FutureRecord<'_, [u8], [u8]> =
+        FutureRecord::to(&message.topic).payload(message.payload.as_slice());
+    if let Some(key) = &message.key {
+        record = record.key(key.as_slice());
+    }
+    if let Some(partition) = message.partition {
+        record = record.partition(partition);
+    }
+    if !message.headers.is_empty() {
+        let headers = message
+            .headers
+            .iter()
+            .fold(OwnedHeaders::new(), |headers, (name, value)| {
+                headers.insert(Header {
+                    key: name,
+                    value: Some(value.as_slice()),
+                })
+            });
+        record = record.headers(headers);
+    }
+    record
 }

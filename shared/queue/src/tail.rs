@@ -62,12 +62,53 @@ impl TopicTail {
         partitions: i32,
         each: impl FnMut(InMessage) + Send + 'static,
     ) -> Result<Self, QueueError> {
+        Self::start_with(
+            settings,
+            group_id,
+            topic,
+            partitions,
+            "read_committed",
+            each,
+        )
+    }
+
+    /// [`start`](Self::start), reading every message as it is written
+    /// (`read_uncommitted`): for a partition whose messages that matter are
+    /// written outside transactions (quire-queue's `send_acknowledged`), so
+    /// that another producer's open transaction there never holds the tail
+    /// back. Messages of transactions still open or aborted are handed
+    /// over too; the caller ignores what is not its own.
+    pub fn start_uncommitted(
+        settings: &KafkaSettings,
+        group_id: &str,
+        topic: &str,
+        partitions: i32,
+        each: impl FnMut(InMessage) + Send + 'static,
+    ) -> Result<Self, QueueError> {
+        Self::start_with(
+            settings,
+            group_id,
+            topic,
+            partitions,
+            "read_uncommitted",
+            each,
+        )
+    }
+
+    fn start_with(
+        settings: &KafkaSettings,
+        group_id: &str,
+        topic: &str,
+        partitions: i32,
+        isolation_level: &str,
+        each: impl FnMut(InMessage) + Send + 'static,
+    ) -> Result<Self, QueueError> {
         let watermarks = Arc::new(PartitionReader::new(
             settings,
             group_id,
             ReaderOptions::default(),
         )?);
-        let mut config = reader_config(settings, group_id, "read_committed", false)?;
+        let mut config = reader_config(settings, group_id, isolation_level, false)?;
         // A tail waits at the end for what comes next: the broker answers a
         // waiting fetch as soon as the last stable offset moves.
         config.set("fetch.wait.max.ms", "100");
