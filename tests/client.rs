@@ -189,6 +189,39 @@ impl ApiProcess {
         body["report_id"].as_str().expect("report id").to_owned()
     }
 
+    /// Cuts the stream as a careful client would: a 503 or 429 (nothing was
+    /// published) is retried after `Retry-After` with the same
+    /// `Idempotency-Key`, until `limit`. Returns the report id.
+    pub async fn cut_until_accepted(&self, stream: &str, limit: Duration) -> String {
+        let key = uuid::Uuid::new_v4().to_string();
+        let deadline = Instant::now() + limit;
+        loop {
+            let response = self
+                .http
+                .post(format!("{}/v1/streams/{stream}/reports", self.base))
+                .header("idempotency-key", &key)
+                .send()
+                .await
+                .expect("cut request");
+            let status = response.status().as_u16();
+            let retry_after = response
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.trim().parse::<u64>().ok())
+                .map_or(Duration::from_secs(1), Duration::from_secs);
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            if status == 202 {
+                return body["report_id"].as_str().expect("report id").to_owned();
+            }
+            assert!(
+                matches!(status, 409 | 429 | 503) && Instant::now() + retry_after < deadline,
+                "cut of {stream} refused: {status} {body}"
+            );
+            tokio::time::sleep(retry_after).await;
+        }
+    }
+
     /// PUTs a definition; its status and body, whatever they are.
     pub async fn try_put_definition(&self, stream: &str, definition: Value) -> (u16, Value) {
         let response = self

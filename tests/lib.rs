@@ -86,6 +86,7 @@ impl TestTopic {
                 .iter()
                 .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
                 .collect(),
+            growable: false,
         })
         .await
     }

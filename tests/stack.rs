@@ -25,7 +25,7 @@ impl TestStack {
     pub async fn create(prefix: &str) -> TestStack {
         let topics = Self::topic_names(prefix);
         let mut guards = Vec::new();
-        for spec in quire_queue::design_topics(&topics, 1) {
+        for spec in quire_queue::design_topics(&topics, 1, quire_queue::DEFAULT_PARTITIONS) {
             guards.push(crate::TestTopic::adopt(spec).await);
         }
         TestStack {
@@ -55,7 +55,7 @@ impl TestStack {
         let topics = Self::topic_names(prefix);
         crate::kafka_process::create_topics_on(
             bootstrap,
-            &quire_queue::design_topics(&topics, replication),
+            &quire_queue::design_topics(&topics, replication, quire_queue::DEFAULT_PARTITIONS),
         )
         .await;
         TestStack {

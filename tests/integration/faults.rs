@@ -107,7 +107,7 @@ fn accepted_by_stream(senders: &[Sent]) -> BTreeMap<String, Vec<u64>> {
 /// which of them a transaction holds back.
 fn topic_offsets(stack: &TestStack) -> String {
     let mut out = Vec::new();
-    for spec in quire_queue::design_topics(&stack.topics, 1) {
+    for spec in quire_queue::design_topics(&stack.topics, 1, quire_queue::DEFAULT_PARTITIONS) {
         let topic = &spec.name;
         let offsets: Vec<String> = (0..spec.partitions)
             .map(|partition| {
@@ -212,6 +212,7 @@ async fn a_private_broker_keeps_its_data_across_a_kill_and_a_stop() {
         partitions: 2,
         replication: 1,
         config: Default::default(),
+        growable: false,
     };
     broker.create_topics(std::slice::from_ref(&topic)).await;
     // One transactional id for both producers, as a restarted service has:

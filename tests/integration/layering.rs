@@ -51,6 +51,7 @@ fn only_the_queue_crate_links_rdkafka() {
         "shared/xml/Cargo.toml",
         "shared/messages/Cargo.toml",
         "shared/config/Cargo.toml",
+        "shared/log/Cargo.toml",
     ] {
         assert_absent(
             manifest,
@@ -59,6 +60,15 @@ fn only_the_queue_crate_links_rdkafka() {
         );
     }
     assert!(dependencies("shared/queue/Cargo.toml").contains(&"rdkafka".to_owned()));
+}
+
+#[test]
+fn the_log_crate_knows_no_http() {
+    assert_absent(
+        "shared/log/Cargo.toml",
+        &["axum", "hyper", "reqwest", "quire-xml"],
+        "which log and which partition is a question of Kafka and the bucket, not of the API",
+    );
 }
 
 #[test]

@@ -39,7 +39,7 @@ async fn a_watermark_topic_without_the_compaction_bounds_is_refused_at_start_up(
         dead_letters: unique("test.bounds.dead"),
         idempotency: unique("test.bounds.idempotency"),
     };
-    let specs = quire_queue::design_topics(&names, 1);
+    let specs = quire_queue::design_topics(&names, 1, quire_queue::DEFAULT_PARTITIONS);
     let mut guards = Vec::new();
     for spec in &specs {
         if spec.name == names.watermarks {

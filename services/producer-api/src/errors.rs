@@ -186,6 +186,26 @@ pub enum ApiError {
     KafkaUnavailable(String),
 
     #[error(
+        "stream {stream} is moving to another partition (quire's partitions are being grown); nothing was published; retry after Retry-After seconds"
+    )]
+    PartitionsMoving { stream: String },
+
+    #[error(
+        "the partition layout could not be read from kafka recently ({0}); nothing was published; retry after Retry-After seconds"
+    )]
+    LayoutUnknown(String),
+
+    #[error(
+        "the records log's identity could not be read from the bucket ({0}); nothing was published; retry after Retry-After seconds"
+    )]
+    LogUnknown(String),
+
+    #[error(
+        "report {id} was cut from a records log that no longer exists (the records topic was deleted and created again) and was never completed"
+    )]
+    ReportLogGone { id: String },
+
+    #[error(
         "the stored answers of Idempotency-Keys could not be read from kafka ({0}); nothing was published"
     )]
     KeyLogUnavailable(String),
@@ -267,6 +287,7 @@ impl ApiError {
             ApiError::RateLimited { .. } => (S::TOO_MANY_REQUESTS, "rate_limited"),
             ApiError::BodyTimeout { .. } => (S::REQUEST_TIMEOUT, "body_timeout"),
             ApiError::ReportContentGone { .. } => (S::GONE, "report_content_gone"),
+            ApiError::ReportLogGone { .. } => (S::GONE, "report_log_gone"),
             ApiError::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body_too_large"),
             ApiError::TooManyRecords { .. } => (S::PAYLOAD_TOO_LARGE, "too_many_records"),
             ApiError::RecordTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "record_too_large"),
@@ -295,6 +316,9 @@ impl ApiError {
             }
             ApiError::Publish(_) => (S::SERVICE_UNAVAILABLE, "publish_failed"),
             ApiError::KafkaUnavailable(_) => (S::SERVICE_UNAVAILABLE, "kafka_unavailable"),
+            ApiError::PartitionsMoving { .. } => (S::SERVICE_UNAVAILABLE, "partitions_moving"),
+            ApiError::LayoutUnknown(_) => (S::SERVICE_UNAVAILABLE, "layout_unknown"),
+            ApiError::LogUnknown(_) => (S::SERVICE_UNAVAILABLE, "log_unknown"),
             ApiError::KeyLogUnavailable(_) => (S::SERVICE_UNAVAILABLE, "idempotency_lookup_failed"),
             ApiError::Log(error) if error.is_not_yet_stable() => {
                 (S::SERVICE_UNAVAILABLE, "report_not_yet_readable")
@@ -346,8 +370,17 @@ impl ApiError {
             "storage_unavailable" => {
                 "the report store does not answer; retry after Retry-After seconds"
             }
+            "layout_unknown" => {
+                "the partition layout could not be read from kafka recently; nothing was published; retry after Retry-After seconds"
+            }
+            "log_unknown" => {
+                "the records log's identity could not be read from the report store; nothing was published; retry after Retry-After seconds"
+            }
             _ => {
                 return match self {
+                    ApiError::PartitionsMoving { stream } => format!(
+                        "stream {stream} is moving to another partition (quire's partitions are being grown); nothing was published; retry after Retry-After seconds"
+                    ),
                     ApiError::ReportContentGone { id, .. } => format!(
                         "report {id} is complete, but its document is missing from the bucket; it was deleted after the report completed"
                     ),
@@ -393,7 +426,9 @@ impl ApiError {
                     quire_xml::FieldPart::Value => "value",
                 },
             }),
+            ApiError::PartitionsMoving { stream } => json!({"stream": stream}),
             ApiError::ReportNotFound { id, .. }
+            | ApiError::ReportLogGone { id }
             | ApiError::ReportPending { id }
             | ApiError::DownloadUrlsOff { id }
             | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
@@ -428,7 +463,11 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if self.is_server_side() {
+        if matches!(self, ApiError::PartitionsMoving { .. }) {
+            // An operator's growth under way, not a failure: the request log
+            // counts these 503s by code.
+            tracing::debug!(code = self.code(), error = %self, "request refused");
+        } else if self.is_server_side() {
             // Server-side messages carry Kafka and S3 errors, never request
             // bodies or tokens, so they can be logged whole.
             tracing::error!(code = self.code(), error = %self, "request failed");
@@ -455,6 +494,8 @@ impl IntoResponse for ApiError {
                 ApiError::RateLimited {
                     retry_after_secs, ..
                 } => HeaderValue::from(*retry_after_secs),
+                // A growth's freeze lasts tens of seconds.
+                ApiError::PartitionsMoving { .. } => HeaderValue::from_static("5"),
                 _ => HeaderValue::from_static("1"),
             };
             headers.insert(header::RETRY_AFTER, wait);

@@ -15,7 +15,9 @@
 //! The modules import one way: `body`, `auth`, `idempotency`, `validation`,
 //! `storage` and `log_reader` know only `errors`; `metrics` knows nothing of
 //! the state; `kafka_health` and `publish` build on those; `admission`
-//! takes a narrow [`admission::Gate`]; `state` gathers everything for the
+//! takes a narrow [`admission::Gate`]; `placement` routes each stream to
+//! its partition by the recorded layout and names the log of report ids;
+//! `state` gathers everything for the
 //! handlers in `routes`, and `startup` wires it all.
 
 pub mod admission;
@@ -28,6 +30,7 @@ pub mod key_log;
 pub mod log_reader;
 pub mod metrics;
 pub mod openapi;
+pub mod placement;
 pub mod publish;
 pub mod rate;
 pub mod routes;

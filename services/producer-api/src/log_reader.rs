@@ -63,7 +63,9 @@ pub enum CutLookup {
 
 pub struct LogReader {
     topic: String,
-    partitions: i32,
+    /// The records topic's live partition count (it may grow while the API
+    /// runs: `crate::placement` keeps it current).
+    partitions: std::sync::atomic::AtomicI32,
     settings: KafkaSettings,
     group_id: String,
     /// The readiness probe's reader.
@@ -87,7 +89,7 @@ impl LogReader {
         let first_reader = new_reader(settings, group_id)?;
         Ok(LogReader {
             topic: settings.topics.records.clone(),
-            partitions,
+            partitions: std::sync::atomic::AtomicI32::new(partitions),
             settings: settings.clone(),
             group_id: group_id.to_owned(),
             probe: Arc::new(new_reader(settings, group_id)?),
@@ -100,9 +102,16 @@ impl LogReader {
         })
     }
 
+    /// The records topic's partition count, once it changed.
+    pub fn set_partitions(&self, partitions: i32) {
+        self.partitions
+            .store(partitions, std::sync::atomic::Ordering::Release);
+    }
+
     /// Whether `id` names a committed cut marker of its stream.
     pub async fn find_cut(&self, id: &ReportId) -> Result<CutLookup, LogError> {
-        if id.partition < 0 || id.partition >= self.partitions {
+        let partitions = self.partitions.load(std::sync::atomic::Ordering::Acquire);
+        if id.partition < 0 || id.partition >= partitions {
             return Ok(CutLookup::NotIssued(
                 ": the records topic has no such partition",
             ));

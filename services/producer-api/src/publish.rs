@@ -6,7 +6,7 @@
 //! none. Concurrent requests share transactions, so throughput does not
 //! collapse to one transaction round trip per request.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -60,6 +60,9 @@ pub struct Publisher {
     /// from the log (`api.publish_timeout_ms`); past it, the answer is the
     /// 500 and a keyed request's outcome is settled in the background.
     settle_within: Duration,
+    /// The fewest records partitions any producer's metadata held at the
+    /// last refresh: no message is routed past it.
+    partitions_known: AtomicI32,
 }
 
 /// Builds the messages of the records topic.
@@ -162,7 +165,38 @@ impl Publisher {
             next: AtomicUsize::new(0),
             factory,
             settle_within: Duration::from_millis(api.publish_timeout_ms.max(1)),
+            partitions_known: AtomicI32::new(0),
         })
+    }
+
+    /// The records partitions every producer knows, as of the last
+    /// [`refresh_partitions`](Self::refresh_partitions).
+    pub fn known_partitions(&self) -> i32 {
+        self.partitions_known.load(Ordering::Acquire)
+    }
+
+    /// Has every producer ask the brokers for `topic`'s metadata now (a
+    /// grown topic is known at once, not at librdkafka's next periodic
+    /// refresh); returns the fewest partitions any of them knows.
+    pub async fn refresh_partitions(&self, topic: &str) -> Result<i32, QueueError> {
+        let producers: Vec<TransactionalProducer> = self
+            .slots
+            .iter()
+            .map(|slot| {
+                slot.current
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .producer
+                    .clone()
+            })
+            .collect();
+        let mut fewest = i32::MAX;
+        for producer in producers {
+            fewest = fewest.min(producer.refresh_partitions(topic).await?);
+        }
+        let fewest = if fewest == i32::MAX { 0 } else { fewest };
+        self.partitions_known.store(fewest, Ordering::Release);
+        Ok(fewest)
     }
 
     /// Publishes `messages` atomically; one id per message, in order.
@@ -370,21 +404,30 @@ impl RecordsTopic {
         }
     }
 
-    /// A record: its exact JSON text, keyed by its stream.
-    pub fn record_message(&self, stream: &StreamName, record: &RawValue) -> OutMessage {
+    /// A record: its exact JSON text, keyed by its stream, on the stream's
+    /// partition (`crate::placement`).
+    pub fn record_message(
+        &self,
+        stream: &StreamName,
+        partition: i32,
+        record: &RawValue,
+    ) -> OutMessage {
         self.on_topic(records::record(stream, record.get().as_bytes()))
+            .to_partition(partition)
     }
 
-    /// A control message (cut marker, definition) on the stream's key, so it
-    /// lands in order with the stream's records.
+    /// A control message (cut marker, definition) on the stream's key and
+    /// partition, so it lands in order with the stream's records.
     pub fn control_message(
         &self,
         kind: MessageKind,
         stream: &StreamName,
+        partition: i32,
         body: Vec<u8>,
     ) -> OutMessage {
         debug_assert_ne!(kind, MessageKind::Record);
         self.on_topic(records::control(kind, stream, body))
+            .to_partition(partition)
     }
 
     /// One release message for each of `partitions` (see [`Release`]): no
@@ -415,7 +458,7 @@ mod tests {
         let topic = RecordsTopic::new("quire.records");
         let stream = StreamName::new("orders").unwrap();
         let record: &RawValue = serde_json::from_str(r#"{"n": 1.50}"#).unwrap();
-        let message = topic.record_message(&stream, record);
+        let message = topic.record_message(&stream, 7, record);
         assert_eq!(message.topic, "quire.records");
         assert_eq!(message.key.as_deref(), Some(&b"orders"[..]));
         assert_eq!(message.payload, br#"{"n": 1.50}"#);
@@ -426,8 +469,8 @@ mod tests {
                 ("quire-v".to_owned(), b"1".to_vec())
             ]
         );
-        assert_eq!(message.partition, None);
-        let cut = topic.control_message(MessageKind::Cut, &stream, b"{}".to_vec());
+        assert_eq!(message.partition, Some(7), "the API chooses the partition");
+        let cut = topic.control_message(MessageKind::Cut, &stream, 7, b"{}".to_vec());
         assert_eq!(cut.headers[0], ("quire-kind".to_owned(), b"cut".to_vec()));
         assert_eq!(cut.key.as_deref(), Some(&b"orders"[..]));
     }

@@ -24,6 +24,7 @@ use crate::key_log::KeyLog;
 use crate::log_reader::{LogError, LogReader};
 use crate::metrics::{self, Metrics};
 use crate::openapi;
+use crate::placement::{Placement, Sources as PlacementSources};
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
 use crate::routes::{Access, ROUTES};
@@ -73,6 +74,8 @@ pub enum StartupError {
     Topics(QueueError),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
+    #[error("refusing to start: {0}")]
+    Layout(quire_log::LogError),
     #[error("cannot load the stored Idempotency-Key answers: {0}")]
     KeyLog(String),
     #[error("cannot start the report look-up reader: {0}")]
@@ -85,6 +88,8 @@ pub struct Application {
     address: SocketAddr,
     router: Router,
     connections: ConnectionLimits,
+    /// Stops the background loops that follow the log (the placement).
+    stop: tokio_util::sync::CancellationToken,
 }
 
 /// How long start-up waits for S3 before going on without it (report routes
@@ -112,15 +117,17 @@ impl Application {
 
         // check_topics compares partition counts and cleanup policies, not
         // the replication factor, so any value does here.
-        let specs = design_topics(&settings.kafka.topics, 1);
+        let specs = design_topics(&settings.kafka.topics, 1, settings.kafka.partitions);
         quire_queue::check_topics(&settings.kafka, &specs)
             .await
             .map_err(StartupError::Topics)?;
-        let records_partitions = specs
-            .iter()
-            .find(|spec| spec.name == settings.kafka.topics.records)
-            .map(|spec| spec.partitions)
-            .expect("design_topics lists the records topic");
+        // The live count (the topic may have grown past kafka.partitions):
+        // releases and look-ups cover every partition there is.
+        let records_partitions =
+            quire_queue::describe_topic(&settings.kafka, &settings.kafka.topics.records)
+                .await
+                .map_err(StartupError::Topics)?
+                .partitions;
 
         let key_log_partitions = specs
             .iter()
@@ -193,10 +200,39 @@ impl Application {
             },
             Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
         );
-        let storage = Storage::new(
-            quire_s3::build_client(&settings.s3).await,
-            settings.s3.bucket.clone(),
-        );
+        let s3_client = quire_s3::build_client(&settings.s3).await;
+        let storage = Storage::new(s3_client.clone(), settings.s3.bucket.clone());
+        // Where each stream goes, and which log a report id names: read
+        // before the first request.
+        let check_interval = Duration::from_millis(settings.api.kafka_check_interval_ms.max(1));
+        let placement = Arc::new(Placement::new(check_interval));
+        let follower = {
+            let kafka = settings.kafka.clone();
+            let group_id = format!(
+                "{}-{}-layout",
+                settings.api.transactional_id_prefix, settings.api.replica_id
+            );
+            tokio::task::spawn_blocking(move || {
+                quire_log::LayoutFollower::start(&kafka, &group_id, &kafka.topics.watermarks)
+            })
+            .await
+            .map_err(|error| StartupError::Layout(error.into()))?
+            .map_err(StartupError::Layout)?
+        };
+        let placement_sources = PlacementSources {
+            kafka: settings.kafka.clone(),
+            follower,
+            s3: s3_client,
+            bucket: settings.s3.bucket.clone(),
+            check_interval,
+        };
+        match placement.refresh(&placement_sources, &publisher).await {
+            Ok(()) => {}
+            Err(error @ quire_log::LogError::Layout(_)) => return Err(StartupError::Layout(error)),
+            Err(error) => {
+                tracing::warn!(error = %error, "the partition layout could not be read yet; publishing requests are answered 503 until it is");
+            }
+        }
         if let Err(error) = storage.check_bucket(STARTUP_S3_CHECK).await {
             tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
         }
@@ -228,6 +264,7 @@ impl Application {
         let services = Arc::new(Services {
             limits,
             records_topic,
+            placement: Arc::clone(&placement),
             publisher,
             storage,
             downloads,
@@ -255,11 +292,19 @@ impl Application {
             idempotency_max_keys = settings.api.idempotency_max_keys,
             "producer api ready"
         );
+        let stop = tokio_util::sync::CancellationToken::new();
+        crate::placement::spawn_watcher(
+            placement,
+            placement_sources,
+            Arc::clone(&services),
+            stop.clone(),
+        );
         Ok(Application {
             listener,
             address,
             router: router(services, tokens),
             connections: connection_limits(&settings)?,
+            stop,
         })
     }
 
@@ -284,7 +329,10 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        serve(self.listener, self.router, self.connections, shutdown).await?;
+        let stop = self.stop.clone();
+        let served = serve(self.listener, self.router, self.connections, shutdown).await;
+        stop.cancel();
+        served?;
         tracing::info!("producer api stopped");
         Ok(())
     }

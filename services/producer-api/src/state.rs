@@ -25,6 +25,8 @@ use crate::validation::Limits;
 pub struct Services {
     pub limits: Limits,
     pub records_topic: RecordsTopic,
+    /// Where each stream's messages go, and which log report ids name.
+    pub placement: Arc<crate::placement::Placement>,
     pub publisher: Publisher,
     pub storage: Storage,
     /// Presigned download URLs, unless `api.download_url_expiry_ms` is 0.

@@ -348,6 +348,7 @@ impl OpenDocument {
         report_id: &ReportId,
         cut_time_ms: Option<i64>,
         trigger: Trigger,
+        log: &str,
     ) -> Result<Manifest, WorkerError> {
         self.scratch.clear();
         let report_id_text = report_id.to_string();
@@ -401,6 +402,7 @@ impl OpenDocument {
             window_start: self.window.as_ref().map(|window| window.start.clone()),
             window_end: self.window.as_ref().map(|window| window.end.clone()),
             window_sequence: self.window.as_ref().map(|window| window.sequence),
+            log: Some(log.to_owned()),
         };
         put_manifest(
             bucket,

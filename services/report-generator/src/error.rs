@@ -32,6 +32,15 @@ pub enum WorkerError {
     #[error("blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
 
+    /// A topic was deleted and created again, or the watermark topic grew,
+    /// while the session ran: a new session starts from what Kafka and
+    /// the bucket say now.
+    #[error("the topics changed under the session: {0}")]
+    LogChanged(String),
+
+    #[error(transparent)]
+    Log(#[from] quire_log::LogError),
+
     #[error(
         "this worker was fenced {fenced} times in a row: another process is running with worker.replica_id = {replica_id:?} (the replica id makes the transactional id and the static group member id); give every replica its own worker.replica_id"
     )]
@@ -68,6 +77,10 @@ impl WorkerError {
             }
             WorkerError::Kafka(error) => kafka_client_error_is_permanent(error),
             WorkerError::Config(_) => true,
+            WorkerError::LogChanged(_) => false,
+            // Topics and a recorded layout that disagree need an operator;
+            // Kafka or S3 away does not.
+            WorkerError::Log(error) => matches!(error, quire_log::LogError::Layout(_)),
             // A panic is a bug; a cancelled task only happens at shutdown.
             WorkerError::Join(error) => error.is_panic(),
             // Another process holds the same identity: an operator's error.
@@ -94,6 +107,10 @@ impl WorkerError {
             WorkerError::WatermarksUnstable { .. } => "watermarks-unstable",
             WorkerError::Writer(_) | WorkerError::S3(_) => "s3",
             WorkerError::Join(_) => "task",
+            WorkerError::LogChanged(_) => "topics-changed",
+            WorkerError::Log(quire_log::LogError::Layout(_)) => "config",
+            WorkerError::Log(quire_log::LogError::S3(_)) => "s3",
+            WorkerError::Log(_) => "kafka",
             WorkerError::ReplicaIdInUse { .. } => "config",
         }
     }

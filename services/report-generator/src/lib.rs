@@ -7,7 +7,8 @@
 //! - `supervisor.rs`: runs sessions, rebuilding one after a Kafka or S3
 //!   failure, exiting on errors a restart cannot cure;
 //! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`;
-//! - `stuck.rs`: partitions held back by a hanging transaction.
+//! - `stuck.rs`: partitions held back by a hanging transaction;
+//! - `topics.rs`: a recreated or grown topic noticed while a session runs.
 
 mod application;
 mod document;
@@ -17,6 +18,7 @@ mod monitoring;
 mod partition;
 mod stuck;
 pub mod supervisor;
+mod topics;
 mod watermarks;
 mod worker;
 

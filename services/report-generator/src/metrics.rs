@@ -47,6 +47,8 @@ pub struct ArrayCommitted<'a> {
     pub released: u64,
     /// Window markers this worker published in the array's transaction.
     pub window_markers: u64,
+    /// Move markers (a growth of the partition layout) processed.
+    pub moves: u64,
     /// The trigger of each report the array completed.
     pub reports: &'a [Trigger],
     /// How long the transaction took, when there was one.
@@ -71,6 +73,11 @@ pub struct WorkerMetrics {
     dead_letters: Counter,
     release_messages: Counter,
     window_markers: Counter,
+    partition_moves: Counter,
+    unserved_partitions: Gauge,
+    records_partitions: Gauge,
+    watermarks_lost: Counter,
+    stale_watermarks: Counter,
     release_transactions: Counter,
     consumer_lag: Family<PartitionLabels, Gauge>,
     last_stable_offset_lag: Family<PartitionLabels, Gauge>,
@@ -140,6 +147,36 @@ impl WorkerMetrics {
             "window_markers",
             "Window markers published: windows whose end plus grace passed by this worker's clock with nothing in the log closing them (idle streams, empty windows)",
             window_markers.clone(),
+        );
+        let partition_moves = Counter::default();
+        registry.register(
+            "partition_moves",
+            "Move markers processed: a growth of the partition layout reached one of this worker's partitions (its moving streams were completed there and handed over)",
+            partition_moves.clone(),
+        );
+        let unserved_partitions = Gauge::default();
+        registry.register(
+            "unserved_partitions",
+            "Assigned record partitions held but not served because the watermark topic has no partition of theirs (the records topic was grown alone); nothing is routed there",
+            unserved_partitions.clone(),
+        );
+        let records_partitions = Gauge::default();
+        registry.register(
+            "records_topic_partitions",
+            "The records topic's live partition count, as the worker last saw it (it asks every worker.topic_check_interval_ms)",
+            records_partitions.clone(),
+        );
+        let watermarks_lost = Counter::default();
+        registry.register(
+            "watermarks_lost",
+            "Partitions taken whose committed offset was written with another watermark topic (it was deleted and created again): reports after that offset are rendered again and their events published again",
+            watermarks_lost.clone(),
+        );
+        let stale_watermarks = Counter::default();
+        registry.register(
+            "stale_watermarks",
+            "Watermarks ignored at take-over because they belong to another records log (the records topic was deleted and created again)",
+            stale_watermarks.clone(),
         );
         let release_transactions = Counter::default();
         registry.register(
@@ -219,6 +256,11 @@ impl WorkerMetrics {
             dead_letters,
             release_messages,
             window_markers,
+            partition_moves,
+            unserved_partitions,
+            records_partitions,
+            watermarks_lost,
+            stale_watermarks,
             release_transactions,
             consumer_lag,
             last_stable_offset_lag,
@@ -234,6 +276,26 @@ impl WorkerMetrics {
             lag_series: Mutex::new(BTreeSet::new()),
             s3,
         }
+    }
+
+    /// Assigned partitions held but not served now.
+    pub fn unserved_partitions(&self, count: usize) {
+        self.unserved_partitions.set(count as i64);
+    }
+
+    /// The records topic's live partition count.
+    pub fn records_partitions(&self, count: i32) {
+        self.records_partitions.set(i64::from(count));
+    }
+
+    /// A partition taken whose watermarks were lost.
+    pub fn watermarks_lost(&self) {
+        self.watermarks_lost.inc();
+    }
+
+    /// Watermarks of another log ignored at a take-over.
+    pub fn stale_watermarks(&self, count: u64) {
+        self.stale_watermarks.inc_by(count);
     }
 
     /// The counters every S3 writer of the worker adds to.
@@ -256,6 +318,7 @@ impl WorkerMetrics {
         self.dead_letters.inc_by(committed.dead_letters);
         self.release_messages.inc_by(committed.released);
         self.window_markers.inc_by(committed.window_markers);
+        self.partition_moves.inc_by(committed.moves);
         for trigger in committed.reports {
             self.reports
                 .get_or_create(&TriggerLabels {
@@ -360,6 +423,7 @@ fn trigger_label(trigger: Trigger) -> &'static str {
         Trigger::Memory => "memory",
         Trigger::Drain => "drain",
         Trigger::Window => "window",
+        Trigger::Move => "move",
     }
 }
 
@@ -463,6 +527,7 @@ mod tests {
             dead_letters: 2,
             released: 1,
             window_markers: 4,
+            moves: 1,
             reports: &[Trigger::Api, Trigger::Api, Trigger::Drain, Trigger::Window],
             transaction: Some(Duration::from_millis(9)),
         });
@@ -480,6 +545,10 @@ mod tests {
             "quire_worker_dead_letters_total 2",
             "quire_worker_release_messages_total 1",
             "quire_worker_window_markers_total 4",
+            "quire_worker_partition_moves_total 1",
+            "quire_worker_unserved_partitions 0",
+            "quire_worker_watermarks_lost_total 0",
+            "quire_worker_stale_watermarks_total 0",
             r#"quire_worker_reports_total{trigger="window"} 1"#,
             r#"quire_worker_reports_total{trigger="api"} 2"#,
             r#"quire_worker_reports_total{trigger="drain"} 1"#,

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use quire_messages::window::{Schedule, Window};
 use quire_messages::{
-    CURRENT_VERSION, Definition, StartedWindow, StreamName, Watermark, WindowProgress,
+    CURRENT_VERSION, Definition, PartitionMoved, StartedWindow, StreamName, Watermark,
+    WindowProgress,
 };
 
 use crate::document::OpenDocument;
@@ -164,11 +165,21 @@ pub struct PartitionState {
     /// The window ends of open windowed documents, earliest first (entries
     /// of documents completed otherwise are dropped when reached).
     pub window_ends: BTreeSet<(i64, StreamName)>,
+    /// The Kafka topic id of the records log, written into every watermark.
+    log: Arc<str>,
+    /// A move marker processed and not yet recorded on the watermark topic.
+    moved: Option<PartitionMoved>,
 }
 
 impl PartitionState {
-    /// The state a new owner starts from: the partition's watermarks.
-    pub fn from_watermarks(partition: i32, watermarks: HashMap<StreamName, Watermark>) -> Self {
+    /// The state a new owner starts from: the partition's watermarks (of the
+    /// records log `log`, the Kafka topic id every watermark written is
+    /// stamped with).
+    pub fn from_watermarks(
+        partition: i32,
+        watermarks: HashMap<StreamName, Watermark>,
+        log: Arc<str>,
+    ) -> Self {
         let streams = watermarks
             .into_iter()
             .map(|(stream, watermark)| {
@@ -194,7 +205,39 @@ impl PartitionState {
             committed: None,
             time_ms: None,
             window_ends: BTreeSet::new(),
+            log,
+            moved: None,
         }
+    }
+
+    /// `stream` left this partition at the move marker at `offset` (its
+    /// document, if one was open, is completed there): nothing of it up to
+    /// the marker is read again, and its windows are its new partition's.
+    pub fn moved_away(&mut self, stream: &StreamName, offset: i64) {
+        self.report_completed(stream, offset);
+        let state = self.stream(stream);
+        state.window = None;
+        state.watermark_moved = true;
+    }
+
+    /// `stream` arrived on this partition with the handover at `offset`:
+    /// its window progress continues from `window`, and a replay passes
+    /// the handover by.
+    pub fn arrived(&mut self, stream: &StreamName, offset: i64, window: Option<WindowProgress>) {
+        self.report_completed(stream, offset);
+        let state = self.stream(stream);
+        state.window = window.and_then(StreamWindow::restored);
+        state.watermark_moved = true;
+    }
+
+    /// The move marker processed, to record with the next commit.
+    pub fn record_moved(&mut self, moved: PartitionMoved) {
+        self.moved = Some(moved);
+    }
+
+    /// The move marker to record now, once.
+    pub fn take_moved(&mut self) -> Option<PartitionMoved> {
+        self.moved.take()
     }
 
     /// Notes the log time of a message read.
@@ -359,6 +402,7 @@ impl PartitionState {
                     offset: state.watermark,
                     definition: in_force_at_commit,
                     window: state.window.as_ref().map(|window| window.progress.clone()),
+                    log: Some(self.log.to_string()),
                 },
             ));
         }
@@ -377,7 +421,7 @@ mod tests {
 
     #[test]
     fn the_safe_offset_never_passes_what_was_read() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         assert_eq!(state.safe_offset(), None);
         state.mark_read(9);
         assert_eq!(state.safe_offset(), Some(10));
@@ -385,7 +429,7 @@ mod tests {
 
     #[test]
     fn a_definition_is_persisted_only_once_the_commit_passes_it() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
         let renamed = Definition {
             root: "orders".into(),
@@ -423,7 +467,7 @@ mod tests {
 
     #[test]
     fn a_window_is_done_once_its_documents_are_and_an_empty_one_waits_for_its_marker() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
         let definition = windowed(false);
         // The first message, at 5 s: windows start at [0, 10).
@@ -459,6 +503,7 @@ mod tests {
         let restored = PartitionState::from_watermarks(
             0,
             HashMap::from([(orders.clone(), written[0].1.clone())]),
+            Arc::from("log"),
         );
         assert_eq!(
             restored.streams[&orders].window.as_ref().unwrap().progress,
@@ -468,7 +513,7 @@ mod tests {
 
     #[test]
     fn skip_empty_passes_quiet_windows_without_markers() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
         state
             .window_progress(&orders, &windowed(true), 5_000)
@@ -481,7 +526,7 @@ mod tests {
 
     #[test]
     fn another_schedule_starts_afresh() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
         state
             .window_progress(&orders, &windowed(false), 5_000)
@@ -519,7 +564,7 @@ mod tests {
 
     #[test]
     fn a_completed_report_moves_the_watermark_and_skips_replays() {
-        let mut state = PartitionState::from_watermarks(0, HashMap::new());
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
         state.report_completed(&orders, 41);
         assert!(state.already_reported(&orders, 41));
@@ -527,5 +572,40 @@ mod tests {
         assert!(!state.already_reported(&stream("other"), 1));
         let written = state.watermarks_to_write(42);
         assert_eq!(written[0].1.offset, Some(41));
+        assert_eq!(
+            written[0].1.log.as_deref(),
+            Some("log"),
+            "stamped with its log"
+        );
+    }
+
+    #[test]
+    fn a_stream_moved_away_is_skipped_up_to_its_marker_and_one_that_arrived_keeps_its_windows() {
+        let mut old = PartitionState::from_watermarks(3, HashMap::new(), Arc::from("log"));
+        let orders = stream("orders");
+        old.window_progress(&orders, &windowed(false), 5_000)
+            .unwrap();
+        old.window_document_completed(&orders, window(0));
+        let progress = old.stream(&orders).window.clone().unwrap().progress;
+        old.moved_away(&orders, 50);
+        assert!(old.already_reported(&orders, 50) && !old.already_reported(&orders, 51));
+        assert!(
+            old.stream(&orders).window.is_none(),
+            "its windows go with it"
+        );
+        let mut new = PartitionState::from_watermarks(13, HashMap::new(), Arc::from("log"));
+        new.change_definition(&orders, 7, windowed(false));
+        new.arrived(&orders, 7, Some(progress.clone()));
+        assert!(
+            new.already_reported(&orders, 7),
+            "a replay applies the handover once"
+        );
+        let arrived = new.stream(&orders).window.clone().unwrap();
+        assert_eq!(arrived.progress, progress);
+        assert_eq!(
+            arrived.documents_in(window(0)),
+            1,
+            "the window's next document is its second"
+        );
     }
 }

@@ -10,20 +10,27 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
+use quire_log::LogIdentity;
 use quire_messages::{HEADER_KIND, StreamName, Watermark, records};
 use quire_queue::{InMessage, PartitionReader, ReadError, ReaderOptions};
 
 use crate::WorkerError;
 
+/// Watermarks per partition, then per stream.
+pub type Loaded = HashMap<i32, HashMap<StreamName, Watermark>>;
+
 /// Reads watermark partitions `partitions` of `topic` together: for each, the
-/// latest value per stream. Empty partitions are not read at all, and the
-/// others are read in one assignment, so taking twelve partitions costs about
-/// what taking one does.
+/// latest value per stream of the records log `log`. Empty partitions are
+/// not read at all, and the others are read in one assignment, so taking
+/// twelve partitions costs about what taking one does. Watermarks of
+/// another log (the records topic was deleted and created again) are
+/// ignored, with a WARN per partition; their count is returned.
 pub fn load(
     settings: &KafkaSettings,
     topic: &str,
     partitions: &[i32],
-) -> Result<HashMap<i32, HashMap<StreamName, Watermark>>, WorkerError> {
+    log: &LogIdentity,
+) -> Result<(Loaded, u64), WorkerError> {
     let timeout = Duration::from_millis(settings.request_timeout_ms);
     // A dead owner's transaction is aborted by the broker after the
     // transaction timeout; wait a little longer than that.
@@ -43,17 +50,38 @@ pub fn load(
             .map_err(|error| unstable(error, partition))?;
     }
     let mut unreadable = None;
+    let mut stale: HashMap<i32, u64> = HashMap::new();
     reader
         .read_to_end(topic, partitions, timeout, |message| {
             if unreadable.is_none() {
-                unreadable = apply(topic, &message, &mut loaded).err();
+                match apply(topic, &message, log, &mut loaded) {
+                    Ok(Applied::Stale) => *stale.entry(message.partition).or_default() += 1,
+                    Ok(Applied::Used) => {}
+                    Err(error) => unreadable = Some(error),
+                }
             }
         })
         .map_err(|error| unstable(error, -1))?;
-    match unreadable {
-        Some(error) => Err(error),
-        None => Ok(loaded),
+    if let Some(error) = unreadable {
+        return Err(error);
     }
+    for (partition, count) in &stale {
+        tracing::warn!(
+            partition,
+            watermarks = count,
+            log = %log.records.id,
+            "watermarks of another records log ignored (the records topic was deleted and created again): its streams start afresh on this log"
+        );
+    }
+    Ok((loaded, stale.values().sum()))
+}
+
+/// What one watermark message did.
+#[derive(Debug, PartialEq, Eq)]
+enum Applied {
+    Used,
+    /// Of another log: ignored.
+    Stale,
 }
 
 /// One message of the watermark log: the stream's latest watermark, or its
@@ -61,10 +89,12 @@ pub fn load(
 fn apply(
     topic: &str,
     message: &InMessage,
-    loaded: &mut HashMap<i32, HashMap<StreamName, Watermark>>,
-) -> Result<(), WorkerError> {
-    if is_release(message) {
-        return Ok(());
+    log: &LogIdentity,
+    loaded: &mut Loaded,
+) -> Result<Applied, WorkerError> {
+    // quire's own keys (a release, the layout, a partition moved).
+    if is_release(message) || message.key.as_deref().is_some_and(records::is_reserved_key) {
+        return Ok(Applied::Used);
     }
     let partition = message.partition;
     let Some(stream) = message
@@ -78,7 +108,7 @@ fn apply(
             offset = message.offset,
             "watermark with an invalid key ignored"
         );
-        return Ok(());
+        return Ok(Applied::Used);
     };
     let watermarks = loaded.entry(partition).or_default();
     match message
@@ -86,6 +116,9 @@ fn apply(
         .as_deref()
         .map(|payload| quire_messages::decode::<Watermark>("watermark", payload))
     {
+        Some(Ok(watermark)) if !log.is_this_log(watermark.log.as_deref()) => {
+            return Ok(Applied::Stale);
+        }
         Some(Ok(watermark)) => {
             watermarks.insert(stream, watermark);
         }
@@ -100,7 +133,7 @@ fn apply(
             )));
         }
     }
-    Ok(())
+    Ok(Applied::Used)
 }
 
 /// A worker producer's release message (see `worker::release_messages`).

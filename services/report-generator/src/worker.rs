@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use quire_config::{Settings, TopicNames, WorkerSettings};
 use quire_messages::{
     CutMarker, DeadLetter, Definition, HEADER_KIND, HEADER_VERSION, MessageKind, ReportEvent,
-    ReportId, StreamName, Trigger,
+    StreamName, Trigger,
 };
 use quire_messages::{layout, records};
 use quire_queue::{
@@ -31,6 +31,9 @@ use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
 use crate::partition::PartitionState;
 use crate::stuck::StuckWatch;
+use crate::topics::{TopicChange, TopicWatch};
+
+mod moves;
 
 /// How long a session's shutdown may spend aborting open documents and
 /// closing its Kafka clients before it leaves the rest to the background:
@@ -100,6 +103,9 @@ struct Context {
     /// The most a document may hold before its closing summary: a record
     /// whose rendering would pass it starts the next document.
     record_limit: u64,
+    /// The records log this session reads: its topic id (stamped on
+    /// watermarks and manifests) and its tag (in report ids and keys).
+    log: quire_log::LogIdentity,
 }
 
 /// The messages one array's transaction publishes.
@@ -114,6 +120,8 @@ struct Outbox {
     released: u64,
     /// Window markers published.
     window_markers: u64,
+    /// Move markers processed (a growth of the partition layout).
+    moves: u64,
     /// The record partition each message (then each report) came from, in
     /// order: a transaction the group refused is carried to the next array
     /// without the partitions revoked meanwhile.
@@ -188,6 +196,14 @@ pub struct Worker {
     refused: Option<Refused>,
     /// Partitions held back by a hanging transaction.
     stuck: StuckWatch,
+    /// Ends the session when a topic is recreated or the watermark topic grows.
+    topic_watch: TopicWatch,
+    /// The watermark topic: its id (committed beside every offset) and its
+    /// partition count (record partitions past it are held, paused).
+    watermarks: quire_queue::TopicIdentity,
+    /// Assigned partitions this session cannot serve (no watermark
+    /// partition of theirs yet): paused, never committed past.
+    unserved: std::collections::BTreeSet<i32>,
 }
 
 /// What the worker's producer commits to release its partitions (see
@@ -236,8 +252,33 @@ impl Worker {
             ));
         }
         let topics = settings.kafka.topics.clone();
-        let specs = quire_queue::design_topics(&topics, 1);
+        let specs = quire_queue::design_topics(&topics, 1, settings.kafka.partitions);
         quire_queue::check_topics(&settings.kafka, &specs).await?;
+        let bucket = S3Bucket::new(
+            quire_s3::build_client(&settings.s3).await,
+            &settings.s3.bucket,
+        )
+        .with_counters(std::sync::Arc::clone(monitor.metrics.s3_counters()));
+        let log = quire_log::identify(&settings.kafka, bucket.client(), bucket.name()).await?;
+        let watermarks = quire_queue::describe_topic(&settings.kafka, &topics.watermarks).await?;
+        let recorded = quire_log::read_layout(&settings.kafka, &topics.watermarks).await?;
+        let layout = quire_log::resolve_layout(
+            recorded,
+            &log.records,
+            watermarks.partitions,
+            settings.kafka.partitions,
+        )?;
+        if layout.unrecorded {
+            quire_log::record_layout(&settings.kafka, &topics.watermarks, &layout.layout).await?;
+        }
+        if log.records.partitions > watermarks.partitions {
+            tracing::warn!(
+                records = log.records.partitions,
+                watermarks = watermarks.partitions,
+                layout = layout.layout.partitions,
+                "the records topic has more partitions than the watermark topic (an --alter?): the partitions past the watermark topic's are held, not served, until `report-generator partitions grow` grows both"
+            );
+        }
         let transactional_id = format!("{}-{}", worker.transactional_id_prefix, worker.replica_id);
         let released = std::sync::Arc::clone(&monitor.metrics);
         let producer = TransactionalProducer::connect_with(
@@ -259,12 +300,8 @@ impl Worker {
         options.cooperative = true;
         options.statistics_interval = Some(Duration::from_millis(worker.statistics_interval_ms));
         options.session_timeout = Some(Duration::from_millis(worker.session_timeout_ms));
+        options.commit_metadata = Some(quire_log::commit_metadata(&watermarks.id));
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
-        let bucket = S3Bucket::new(
-            quire_s3::build_client(&settings.s3).await,
-            &settings.s3.bucket,
-        )
-        .with_counters(std::sync::Arc::clone(monitor.metrics.s3_counters()));
         // Count and byte rollovers are decided inline, so a document ends at
         // the record that reaches rollover_bytes: the declared maximum is
         // that plus room for one record; a record that would not fit ends
@@ -282,7 +319,18 @@ impl Worker {
             transactional_id,
             group = %worker.group_id,
             part_size = policy.part_size(),
+            log = %log.records.id,
+            records_partitions = log.records.partitions,
+            log_tag = ?log.tag,
+            layout_partitions = layout.layout.partitions,
             "report generator ready"
+        );
+        monitor.metrics.records_partitions(log.records.partitions);
+        let topic_watch = TopicWatch::start(
+            &settings.kafka,
+            log.records.clone(),
+            watermarks.clone(),
+            Duration::from_millis(worker.topic_check_interval_ms),
         );
         Ok(Worker {
             context: Context {
@@ -291,6 +339,7 @@ impl Worker {
                 bucket: bucket.with_memory(memory),
                 policy,
                 record_limit,
+                log,
             },
             kafka: settings.kafka.clone(),
             consumer,
@@ -300,6 +349,9 @@ impl Worker {
             summary: RunSummary::default(),
             refused: None,
             stuck: StuckWatch::new(Duration::from_millis(settings.kafka.transaction_timeout_ms)),
+            topic_watch,
+            watermarks,
+            unserved: std::collections::BTreeSet::new(),
         })
     }
 
@@ -323,6 +375,7 @@ impl Worker {
         let mut draining = false;
         while !stop.is_cancelled() {
             self.monitor.health.turned();
+            self.apply_topic_changes().await?;
             let array = self
                 .consumer
                 .next_array(settings.max_records, max_wait)
@@ -353,6 +406,7 @@ impl Worker {
             let dead_letters = outbox.dead_letters;
             let released = outbox.released;
             let window_markers = outbox.window_markers;
+            let moves = outbox.moves;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
             let transaction = match self.commit(&array, &mut outbox).await {
@@ -372,6 +426,7 @@ impl Worker {
                 dead_letters,
                 released,
                 window_markers,
+                moves,
                 reports: &reports,
                 transaction,
             });
@@ -484,6 +539,7 @@ impl Worker {
                         );
                     }
                 }
+                self.unserved.remove(partition);
                 if let Some(state) = self.partitions.remove(partition) {
                     tracing::info!(
                         partition,
@@ -500,19 +556,102 @@ impl Worker {
         self.take_partitions(&still_assigned_after(events)).await
     }
 
+    /// What the topic watch saw: a recreated topic ends the session; a grown
+    /// watermark topic lets the held record partitions be served, from
+    /// their commit points; a grown records topic is said.
+    async fn apply_topic_changes(&mut self) -> Result<(), WorkerError> {
+        for change in self.topic_watch.take_changes() {
+            match change {
+                TopicChange::Recreated(why) => return Err(WorkerError::LogChanged(why)),
+                TopicChange::RecordsGrew(partitions) => {
+                    self.monitor.metrics.records_partitions(partitions);
+                    tracing::warn!(
+                        partitions,
+                        watermark_partitions = self.watermarks.partitions,
+                        "the records topic grew; the partitions past the watermark topic's are held, not served, and nothing is routed to them until `report-generator partitions grow` switches the layout"
+                    );
+                }
+                TopicChange::WatermarksGrew(partitions) => {
+                    self.watermarks.partitions = partitions;
+                    let servable: Vec<i32> = self
+                        .unserved
+                        .iter()
+                        .copied()
+                        .filter(|&partition| partition < partitions)
+                        .collect();
+                    tracing::info!(
+                        partitions,
+                        serving = ?servable,
+                        "the watermark topic grew: the held record partitions it now covers are served"
+                    );
+                    if servable.is_empty() {
+                        continue;
+                    }
+                    self.consumer.resume_from_commit_points(&servable)?;
+                    for partition in &servable {
+                        self.unserved.remove(partition);
+                    }
+                    self.take_partitions(&servable).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A new owner: load the partitions' watermarks (after any open
     /// transaction there ended), then abort the uploads a dead owner left on
     /// their keys. All the partitions of one assignment together.
     async fn take_partitions(&mut self, partitions: &[i32]) -> Result<(), WorkerError> {
+        // A record partition without its watermark partition (the records
+        // topic grown alone) cannot be served: held, paused, never
+        // committed past, until the watermark topic grows (which ends the
+        // session) or the partition goes to another member.
+        let (partitions, unservable): (Vec<i32>, Vec<i32>) = partitions
+            .iter()
+            .partition(|&&partition| partition < self.watermarks.partitions);
+        if !unservable.is_empty() {
+            self.consumer.pause(&unservable)?;
+            self.unserved.extend(unservable.iter().copied());
+            tracing::warn!(
+                partitions = ?unservable,
+                watermark_partitions = self.watermarks.partitions,
+                "assigned record partitions without a watermark partition are held, not served (the records topic was grown alone; `report-generator partitions grow` grows both)"
+            );
+        }
+        self.monitor
+            .metrics
+            .unserved_partitions(self.unserved.len());
+        let partitions = partitions.as_slice();
         if partitions.is_empty() {
             return Ok(());
+        }
+        for &partition in partitions {
+            let committed_with = self.consumer.committed_metadata(partition);
+            if let Some(watermarks) = committed_with
+                .as_deref()
+                .and_then(quire_log::committed_watermarks)
+                && watermarks != self.watermarks.id
+            {
+                self.monitor.metrics.watermarks_lost();
+                tracing::warn!(
+                    partition,
+                    committed_with = watermarks,
+                    now = %self.watermarks.id,
+                    "the watermark topic was deleted and created again since this partition was last committed: its watermarks are lost, so every report completed after the committed offset is rendered again (same keys, same bytes) and its report.completed event published again; consumers de-duplicate events by report_id"
+                );
+            }
         }
         let kafka = self.kafka.clone();
         let topic = self.context.topics.watermarks.clone();
         let wanted = partitions.to_vec();
-        let mut watermarks =
-            tokio::task::spawn_blocking(move || crate::watermarks::load(&kafka, &topic, &wanted))
-                .await??;
+        let log = self.context.log.clone();
+        let (mut watermarks, stale) = tokio::task::spawn_blocking(move || {
+            crate::watermarks::load(&kafka, &topic, &wanted, &log)
+        })
+        .await??;
+        if stale > 0 {
+            self.monitor.metrics.stale_watermarks(stale);
+        }
         let aborted = self
             .context
             .bucket
@@ -527,7 +666,11 @@ impl Worker {
             tracing::debug!(partition, streams = loaded.len(), "partition taken");
             self.partitions.insert(
                 partition,
-                PartitionState::from_watermarks(partition, loaded),
+                PartitionState::from_watermarks(
+                    partition,
+                    loaded,
+                    Arc::from(self.context.log.records.id.as_str()),
+                ),
             );
         }
         tracing::info!(partitions = ?partitions, orphaned_uploads_aborted = aborted, "assignment taken");
@@ -729,6 +872,12 @@ impl Worker {
             };
             moved |= state.committed != Some(safe);
             offsets.insert(partition, safe);
+            if let Some(moved) = state.take_moved() {
+                outbox.messages.push(on_topic(
+                    &self.context.topics.watermarks,
+                    records::moved(partition, &moved),
+                ));
+            }
             for (stream, watermark) in state.watermarks_to_write(safe) {
                 outbox.messages.push(
                     OutMessage::new(
@@ -800,6 +949,10 @@ async fn process_message(
             outbox.released += 1;
             return Ok(());
         }
+        // A growth of the partition layout: partition-wide, no stream.
+        (Some(MessageKind::Move), _) => {
+            return moves::partition_move(context, state, message, outbox).await;
+        }
         (None, _) => {
             return dead_letter(
                 context,
@@ -828,7 +981,10 @@ async fn process_message(
     };
     let payload = message.payload.as_deref().unwrap_or_default();
     match kind.expect("checked above") {
-        MessageKind::Release => unreachable!("handled above"),
+        MessageKind::Release | MessageKind::Move => unreachable!("handled above"),
+        MessageKind::Handover => {
+            return moves::handover(context, state, &stream, message, outbox);
+        }
         MessageKind::Definition => {
             match quire_messages::decode::<Definition>("definition", payload)
                 .map_err(|error| error.to_string())
@@ -1070,13 +1226,17 @@ async fn complete_document(
 ) -> Result<(), WorkerError> {
     let stream = document.stream.clone();
     let window = document.window.as_ref().map(|window| window.window);
-    let report_id = ReportId {
-        stream: stream.clone(),
-        partition: state.partition,
-        offset: last_offset,
-    };
+    let report_id = context
+        .log
+        .report_id(stream.clone(), state.partition, last_offset);
     let manifest = document
-        .complete(&context.bucket, &report_id, cut_time_ms, trigger)
+        .complete(
+            &context.bucket,
+            &report_id,
+            cut_time_ms,
+            trigger,
+            &context.log.records.id,
+        )
         .await?;
     tracing::info!(report = %report_id, records = manifest.records, bytes = manifest.bytes, trigger = ?trigger, "report completed");
     let event = ReportEvent::completed(&manifest);
@@ -1145,7 +1305,14 @@ async fn open_document(
             end: schedule.format(of.end_ms),
         });
     }
-    let key = layout::document_key(stream, state.partition, first_offset, &definition, hour);
+    let key = layout::document_key(
+        stream,
+        state.partition,
+        first_offset,
+        &definition,
+        hour,
+        context.log.tag.as_ref(),
+    );
     OpenDocument::open(
         &context.bucket,
         &context.policy,
@@ -1243,6 +1410,7 @@ async fn window_marker(
         message.offset,
         &definition,
         schedule.civil_hour(window.start_ms),
+        context.log.tag.as_ref(),
     );
     let document = OpenDocument::open(
         &context.bucket,

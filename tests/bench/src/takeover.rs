@@ -37,7 +37,7 @@ pub async fn run(args: TakeoverArgs) -> anyhow::Result<()> {
         dead_letters: unique("bench.takeover.dead"),
         idempotency: unique("bench.takeover.idempotency"),
     };
-    let design: TopicSpec = quire_queue::design_topics(&names, 1)
+    let design: TopicSpec = quire_queue::design_topics(&names, 1, quire_queue::DEFAULT_PARTITIONS)
         .into_iter()
         .find(|spec| spec.name == names.watermarks)
         .context("the design has a watermark topic")?;
@@ -118,6 +118,8 @@ async fn write_watermarks(
                     offset: Some(index as i64),
                     definition: None,
                     window: None,
+                    // Written as before logs were named: the first log's.
+                    log: None,
                 };
                 OutMessage::new(
                     topic,

@@ -66,9 +66,11 @@ pub async fn put_definition(
         &crate::auth::principal(&headers, state.tokens_enabled),
         stream.as_str(),
     )?;
+    let partition = state.placement.place(&stream)?;
     let message = state.records_topic.control_message(
         MessageKind::Definition,
         &stream,
+        partition,
         quire_messages::encode(&definition),
     );
     let ids = state.publish(vec![message]).await?;

@@ -55,9 +55,14 @@ pub async fn post_records(
         })
         .into_response());
     }
+    let partition = state.placement.place(&stream)?;
     let messages: Vec<OutMessage> = records
         .iter()
-        .map(|record| state.records_topic.record_message(&stream, record))
+        .map(|record| {
+            state
+                .records_topic
+                .record_message(&stream, partition, record)
+        })
         .collect();
     let count = messages.len();
     let enqueued_at = Instant::now();

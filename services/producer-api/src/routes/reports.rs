@@ -82,16 +82,20 @@ pub async fn post_cut(
         &crate::auth::principal(&headers, state.tokens_enabled),
         stream.as_str(),
     )?;
+    let partition = state.placement.place(&stream)?;
+    // The report id carries the log's tag: known before anything is sent.
+    let log = state.placement.identity()?;
     let marker = state.records_topic.control_message(
         MessageKind::Cut,
         &stream,
+        partition,
         quire_messages::encode(&CutMarker::explicit()),
     );
     let response = state
         .publish_answered(
             vec![marker],
             keyed.map(|Extension(keyed)| keyed),
-            move |ids| cut_answer(&stream, &ids),
+            move |ids| cut_answer(&log, &stream, &ids),
         )
         .await;
     if response.status().is_success() {
@@ -100,16 +104,17 @@ pub async fn post_cut(
     Ok(response)
 }
 
-/// 202 with the report's id (the cut marker's place in the log).
-fn cut_answer(stream: &StreamName, ids: &[MessageId]) -> Result<StoredResponse, ApiError> {
+/// 202 with the report's id (the cut marker's place in the log, and the
+/// log's tag).
+fn cut_answer(
+    log: &quire_log::LogIdentity,
+    stream: &StreamName,
+    ids: &[MessageId],
+) -> Result<StoredResponse, ApiError> {
     let landed = ids
         .first()
         .ok_or_else(|| ApiError::Internal("kafka returned no id for the cut marker".into()))?;
-    let id = ReportId {
-        stream: stream.clone(),
-        partition: landed.partition,
-        offset: landed.offset,
-    };
+    let id = log.report_id(stream.clone(), landed.partition, landed.offset);
     tracing::info!(report_id = %id, "report cut");
     let location = HeaderValue::try_from(report_path(&id))
         .map_err(|error| ApiError::Internal(error.to_string()))?;
@@ -140,6 +145,12 @@ pub async fn get_report(
 async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiError> {
     if let Some(manifest) = state.storage.manifest(&id).await? {
         return Ok(ReportView::completed(id, manifest));
+    }
+    // An id of another log (the records topic was deleted and created
+    // again since) names a position in a log that is gone: never read the
+    // new log there.
+    if !state.placement.identity()?.names_this_log(id.log.as_ref()) {
+        return Err(ApiError::ReportLogGone { id: id.to_string() });
     }
     match state.log.find_cut(&id).await? {
         CutLookup::Issued => Ok(ReportView::pending(id)),
