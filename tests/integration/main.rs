@@ -15,6 +15,7 @@ mod queue;
 mod rebalance;
 mod reports;
 mod soak;
+mod spill;
 mod windows;
 mod worker_ops;
 mod writer;
