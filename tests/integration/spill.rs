@@ -135,9 +135,10 @@ impl Sampled {
 async fn a_full_spill_disk_slows_the_worker_down_and_never_stops_it() {
     let tmpfs = Tmpfs::mount(TMPFS_BYTES);
     let stack = TestStack::create("spill").await;
-    let streams: Vec<String> = (0..STREAMS).map(|index| format!("spill-{index:02}")).collect();
-    let queued_bytes =
-        queue_interleaved(&stack, &streams, RECORDS_PER_STREAM, RECORD_PAD).await;
+    let streams: Vec<String> = (0..STREAMS)
+        .map(|index| format!("spill-{index:02}"))
+        .collect();
+    let queued_bytes = queue_interleaved(&stack, &streams, RECORDS_PER_STREAM, RECORD_PAD).await;
     assert!(
         queued_bytes > BUDGET + TMPFS_BYTES,
         "the backlog must not fit in the budget and the disk together"
