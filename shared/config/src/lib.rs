@@ -79,6 +79,7 @@ pub struct WorkerSettings {
     pub parts_in_flight_total: usize,
     pub spill_dir: String,
     pub spill_max_bytes: u64,
+    pub max_gzip_documents: usize,
     pub shutdown_grace_ms: u64,
     pub metrics_listen: String,
     pub statistics_interval_ms: u64,
