@@ -10,6 +10,9 @@
 //! counter shows the full-disk path ran, no multipart upload stays pending,
 //! and the spill directory is empty at the end. The last line it prints,
 //! `spill: ...`, holds the numbers.
+//!
+//! Gzip compressors cannot spill: past `worker.max_gzip_documents` the
+//! largest gzip documents are cut early, and nothing is lost.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -212,5 +215,97 @@ async fn a_full_spill_disk_slows_the_worker_down_and_never_stops_it() {
     assert!(
         sampled.over_budget > 0,
         "with the disk full, documents are held in memory past the budget ({sampled:?})"
+    );
+}
+
+/// At most `worker.max_gzip_documents` gzip compressors stay open: with a
+/// bound of 2 and 5 gzip streams queued, the worker cuts the largest by
+/// marker (trigger `memory`) until 2 are left, exactly 3 of them; the two
+/// left are cut by the API; every record is in exactly one report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gzip_documents_past_their_bound_are_cut_early_and_nothing_is_lost() {
+    const GZIP_STREAMS: u64 = 5;
+    const BOUND: usize = 2;
+    const RECORDS: u64 = 100;
+    let stack = TestStack::create("gzip-bound").await;
+    let api = stack.start_api().await;
+    let streams: Vec<String> = (0..GZIP_STREAMS)
+        .map(|index| format!("gzip-bound-{index}"))
+        .collect();
+    for stream in &streams {
+        api.put_definition(stream, serde_json::json!({"gzip": true}))
+            .await;
+        api.send_ok(stream, &quire_tests::records(stream, 0, RECORDS))
+            .await;
+    }
+    let _worker = stack
+        .worker("gzip-bound-0")
+        .with(|settings| settings.worker.max_gzip_documents = BOUND)
+        .spawn();
+    let memory_cuts = |observed: &quire_tests::Observed| {
+        observed
+            .reports
+            .values()
+            .filter(|report| report.manifest["trigger"] == "memory")
+            .count()
+    };
+    let observed = stack
+        .wait_for(
+            "the gzip documents past the bound cut",
+            Duration::from_secs(60),
+            |observed| memory_cuts(observed) >= GZIP_STREAMS as usize - BOUND,
+        )
+        .await;
+    let cut_early: Vec<String> = observed
+        .reports
+        .values()
+        .map(|report| report.stream().to_owned())
+        .collect();
+    let left: Vec<&String> = streams
+        .iter()
+        .filter(|stream| !cut_early.contains(stream))
+        .collect();
+    assert_eq!(left.len(), BOUND, "{BOUND} gzip documents stay open");
+    for stream in left {
+        api.cut(stream).await;
+    }
+    let observed = stack
+        .wait_for(
+            "every gzip stream reported",
+            Duration::from_secs(60),
+            |observed| observed.reports.len() == GZIP_STREAMS as usize,
+        )
+        .await;
+    assert_eq!(
+        memory_cuts(&observed),
+        GZIP_STREAMS as usize - BOUND,
+        "only the documents past the bound are cut early"
+    );
+    for report in observed.reports.values() {
+        let mut xml = Vec::new();
+        std::io::Read::read_to_end(
+            &mut flate2::read::GzDecoder::new(report.document.as_slice()),
+            &mut xml,
+        )
+        .expect("a gzip report");
+        let seqs: Vec<u64> = quire_tests::Report {
+            manifest: report.manifest.clone(),
+            document: xml,
+        }
+        .records()
+        .iter()
+        .map(|record| record["seq"].parse().expect("seq number"))
+        .collect();
+        assert_eq!(
+            seqs,
+            (0..RECORDS).collect::<Vec<_>>(),
+            "{}: every record once, in order",
+            report.stream()
+        );
+    }
+    assert_eq!(observed.events.len(), GZIP_STREAMS as usize);
+    assert_eq!(
+        observed.pending_uploads, 0,
+        "multipart uploads left pending"
     );
 }
