@@ -17,6 +17,7 @@ mod rebalance;
 mod recreate;
 mod reports;
 mod soak;
+mod spill;
 mod windows;
 mod worker_ops;
 mod writer;

@@ -58,10 +58,23 @@ fn stream_name(index: u64) -> String {
     format!("memory-{index:03}")
 }
 
-/// Queues the backlog straight on the records topic, in the records format
-/// of the producer API (key = stream, JSON object, `quire-kind: record`,
-/// `quire-v`), interleaving the streams as concurrent senders would.
+/// Queues the backlog straight on the records topic; see [`queue_interleaved`].
 async fn queue_backlog(stack: &TestStack) -> u64 {
+    let streams: Vec<String> = (0..STREAMS).map(stream_name).collect();
+    queue_interleaved(stack, &streams, RECORDS_PER_STREAM, RECORD_PAD).await
+}
+
+/// Queues `records_per_stream` records of each of `streams` straight on the
+/// records topic, in the records format of the producer API (key = stream,
+/// JSON object `{"stream", "seq", "pad"}` with `record_pad` bytes of pad,
+/// `quire-kind: record`, `quire-v`), interleaving the streams as concurrent
+/// senders would. Returns the bytes queued.
+pub(crate) async fn queue_interleaved(
+    stack: &TestStack,
+    streams: &[String],
+    records_per_stream: u64,
+    record_pad: usize,
+) -> u64 {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &stack.kafka.bootstrap_servers)
         .set("enable.idempotence", "true")
@@ -71,13 +84,12 @@ async fn queue_backlog(stack: &TestStack) -> u64 {
         .set("message.timeout.ms", "120000")
         .create()
         .expect("backlog producer");
-    let pad = "x".repeat(RECORD_PAD);
+    let pad = "x".repeat(record_pad);
     let version = quire_messages::CURRENT_VERSION.to_string();
     let mut bytes = 0u64;
     let mut deliveries = Vec::new();
-    for seq in 0..RECORDS_PER_STREAM {
-        for index in 0..STREAMS {
-            let stream = stream_name(index);
+    for seq in 0..records_per_stream {
+        for stream in streams {
             let payload = format!(r#"{{"stream":"{stream}","seq":{seq},"pad":"{pad}"}}"#);
             bytes += payload.len() as u64;
             let headers = OwnedHeaders::new()
@@ -90,7 +102,7 @@ async fn queue_backlog(stack: &TestStack) -> u64 {
                     value: Some(version.as_str()),
                 });
             let mut record = FutureRecord::to(&stack.topics.records)
-                .key(&stream)
+                .key(stream.as_str())
                 .payload(&payload)
                 .headers(headers);
             loop {

@@ -26,9 +26,13 @@ impl Application {
     /// `worker.metrics_listen`. Kafka and S3 are reached by the sessions
     /// [`run_until`](Self::run_until) starts, which retry them.
     pub async fn build(settings: Settings, mode: Mode) -> Result<Self, WorkerError> {
-        if settings.worker.replica_id.is_empty() {
+        settings
+            .worker
+            .check_replica_id()
+            .map_err(WorkerError::Config)?;
+        if settings.worker.max_gzip_documents == 0 {
             return Err(WorkerError::Config(
-                "worker.replica_id must not be empty".into(),
+                "worker.max_gzip_documents must be at least 1".into(),
             ));
         }
         let monitor = Monitor::new(&settings.worker);
@@ -86,5 +90,29 @@ impl Application {
         raise.abort();
         retention.abort();
         summary
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The replica id becomes a path segment of the spill directory (which
+    /// start-up empties), the transactional id and the group member id: a
+    /// value that is not a plain name stops start-up, naming the setting,
+    /// before anything is touched.
+    #[tokio::test]
+    async fn a_replica_id_that_is_not_a_plain_name_stops_start_up() {
+        for bad in ["../other", ".", "", "a/b"] {
+            let mut settings = quire_config::defaults();
+            settings.worker.metrics_listen = "127.0.0.1:0".into();
+            settings.worker.replica_id = bad.into();
+            let error = Application::build(settings, Mode::Serve)
+                .await
+                .err()
+                .unwrap_or_else(|| panic!("{bad:?} was accepted"));
+            assert!(matches!(error, WorkerError::Config(_)), "{error}");
+            assert!(error.to_string().contains("worker.replica_id"), "{error}");
+        }
     }
 }

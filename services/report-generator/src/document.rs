@@ -329,6 +329,11 @@ impl OpenDocument {
         self.writer.held_bytes() + compressor
     }
 
+    /// Whether it holds a gzip compressor (see [`gzip_documents_to_cut`]).
+    pub fn is_gzip(&self) -> bool {
+        matches!(self.encoding, Encoding::Gzip(_))
+    }
+
     /// Bytes of the document waiting in the spill directory.
     pub fn spilled_bytes(&self) -> u64 {
         self.writer.spilled_bytes()
@@ -421,6 +426,57 @@ impl OpenDocument {
             tracing::warn!(key, error = %error, "abort of an open document failed; the take-over sweep will retry");
         }
     }
+}
+
+/// The gzip documents to cut early so that at most `max_gzip_documents`
+/// (`worker.max_gzip_documents`) compressors stay open once the cuts land,
+/// largest first; returned as (partition, stream).
+///
+/// Why cuts: a compressor's state (512 KiB each, counted in the memory
+/// budget) cannot spill, and it cannot be dropped and rebuilt mid-document
+/// without changing the document's bytes (same key, same bytes), so
+/// thousands of gzip streams would otherwise hold thousands of them. A
+/// document that has to open still opens (the log decides where documents
+/// start): past the bound, the largest open gzip documents are cut by
+/// marker, like the memory cuts, and the bound holds again once the markers
+/// land. Documents whose cut is already requested count as leaving.
+pub fn gzip_documents_to_cut<'a>(
+    documents: impl IntoIterator<Item = &'a OpenDocument>,
+    max_gzip_documents: usize,
+) -> Vec<(i32, StreamName)> {
+    let candidates = documents
+        .into_iter()
+        .filter(|document| document.is_gzip())
+        .map(|document| GzipCandidate {
+            bytes: document.buffered_bytes(),
+            leaving: document.cut_requested.is_some(),
+            id: (document.partition, document.stream.clone()),
+        });
+    past_the_bound(candidates, max_gzip_documents)
+}
+
+/// An open gzip document, for [`past_the_bound`].
+struct GzipCandidate<Id> {
+    bytes: u64,
+    /// Its cut is requested already.
+    leaving: bool,
+    id: Id,
+}
+
+/// Which of `open` to cut so that at most `max` stay once every requested
+/// cut lands: the largest of those not leaving yet.
+fn past_the_bound<Id>(open: impl Iterator<Item = GzipCandidate<Id>>, max: usize) -> Vec<Id> {
+    let mut staying: Vec<GzipCandidate<Id>> = open.filter(|document| !document.leaving).collect();
+    let excess = staying.len().saturating_sub(max);
+    if excess == 0 {
+        return Vec::new();
+    }
+    staying.sort_by_key(|document| std::cmp::Reverse(document.bytes));
+    staying
+        .into_iter()
+        .take(excess)
+        .map(|document| document.id)
+        .collect()
 }
 
 /// The memory every document of a worker session shares: the budget
@@ -549,6 +605,27 @@ mod tests {
         assert_eq!(first[3], 0, "no file name, comment or extra field");
         assert_eq!(&first[4..8], &[0, 0, 0, 0], "no modification time");
         assert_eq!(first[9], 255, "operating system unknown");
+    }
+
+    #[test]
+    fn past_the_gzip_bound_the_largest_documents_not_yet_leaving_are_cut() {
+        let candidate = |id: u32, bytes: u64, leaving: bool| GzipCandidate { bytes, leaving, id };
+        let open = || {
+            vec![
+                candidate(1, 100, false),
+                candidate(2, 900, true),
+                candidate(3, 500, false),
+                candidate(4, 300, false),
+                candidate(5, 700, false),
+            ]
+        };
+        assert!(
+            past_the_bound(open().into_iter(), 4).is_empty(),
+            "4 stay once 2 leaves"
+        );
+        assert_eq!(past_the_bound(open().into_iter(), 2), vec![5, 3]);
+        assert_eq!(past_the_bound(open().into_iter(), 0), vec![5, 3, 4, 1]);
+        assert!(past_the_bound(Vec::<GzipCandidate<u32>>::new().into_iter(), 1).is_empty());
     }
 
     #[test]

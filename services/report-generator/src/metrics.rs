@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -466,6 +467,20 @@ impl Collector for UploadCounters {
             let metric = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
             counter.encode(metric)?;
         }
+        let spill_failures = [
+            ("disk_full", snapshot.spill_refused_disk_full),
+            ("write_failed", snapshot.spill_write_failures),
+        ];
+        let mut family = encoder.encode_descriptor(
+            "spill_failures",
+            "Spills that did not happen, so their bytes stayed in memory past the budget: the spill filesystem had no room (disk_full) or a write failed (write_failed: ENOSPC, EMFILE, EIO, ...)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, value) in spill_failures {
+            let counter = ConstCounter::new(value);
+            counter.encode(family.encode_family(&[("reason", reason)])?)?;
+        }
         let in_flight = ConstGauge::new(gauge_value(snapshot.parts_in_flight));
         let metric = encoder.encode_descriptor(
             "parts_in_flight",
@@ -572,6 +587,8 @@ mod tests {
             "quire_worker_memory_held_bytes 0",
             "quire_worker_spilled_bytes 0",
             "quire_worker_memory_over_budget_bytes 0",
+            r#"quire_worker_spill_failures_total{reason="disk_full"} 0"#,
+            r#"quire_worker_spill_failures_total{reason="write_failed"} 0"#,
         ] {
             assert!(text.contains(expected), "missing {expected:?} in\n{text}");
         }

@@ -703,9 +703,27 @@ impl Worker {
     /// memory budget for all open documents together. The budget itself is
     /// kept by the writers' pool (buffers grow within it and spill past
     /// it); these cuts bound what is held, memory and spill together, so the
-    /// spill drains once the markers land.
+    /// spill drains once the markers land. Gzip documents past
+    /// `worker.max_gzip_documents` are cut the same way.
     fn decide_timed_rollovers(&mut self, outbox: &mut Outbox) {
         let settings = &self.context.settings;
+        // Gzip compressors past worker.max_gzip_documents (they cannot spill).
+        let open = self
+            .partitions
+            .values()
+            .flat_map(|state| state.open.values());
+        for (partition, stream) in
+            crate::document::gzip_documents_to_cut(open, settings.max_gzip_documents)
+        {
+            if let Some(document) = self
+                .partitions
+                .get_mut(&partition)
+                .and_then(|state| state.open.get_mut(&stream))
+            {
+                tracing::info!(partition, %stream, max_gzip_documents = settings.max_gzip_documents, "gzip documents past their bound: cutting");
+                request_cut(&self.context.topics, document, Trigger::Memory, outbox);
+            }
+        }
         let max_age = Duration::from_millis(settings.rollover_age_ms);
         let mut buffered: Vec<(u64, i32, StreamName)> = Vec::new();
         for state in self.partitions.values_mut() {

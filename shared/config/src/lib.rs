@@ -79,6 +79,7 @@ pub struct WorkerSettings {
     pub parts_in_flight_total: usize,
     pub spill_dir: String,
     pub spill_max_bytes: u64,
+    pub max_gzip_documents: usize,
     pub shutdown_grace_ms: u64,
     pub metrics_listen: String,
     pub statistics_interval_ms: u64,
@@ -91,10 +92,49 @@ pub struct WorkerSettings {
     pub topic_check_interval_ms: u64,
 }
 
+/// The longest `worker.replica_id`.
+pub const MAX_REPLICA_ID_LEN: usize = 64;
+
 impl WorkerSettings {
+    /// Checks `worker.replica_id`, which becomes a path segment of the spill
+    /// directory (emptied at start: `..` there would empty another one), the
+    /// Kafka transactional id and the static group member id: 1 to
+    /// [`MAX_REPLICA_ID_LEN`] characters of `A-Z a-z 0-9 . _ -`, not starting
+    /// with `.` or `-` (so never `.` or `..`, nor a hidden or option-like name).
+    pub fn check_replica_id(&self) -> Result<(), String> {
+        let id = &self.replica_id;
+        let problem = if id.is_empty() {
+            Some("must not be empty".to_owned())
+        } else if id.len() > MAX_REPLICA_ID_LEN {
+            Some(format!(
+                "is {} bytes long; at most {MAX_REPLICA_ID_LEN}",
+                id.len()
+            ))
+        } else if let Some(bad) = id
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            Some(format!(
+                "holds {bad:?}; only A-Z, a-z, 0-9, '.', '_' and '-' are allowed"
+            ))
+        } else if id.starts_with(['.', '-']) {
+            Some("must not start with '.' or '-'".to_owned())
+        } else {
+            None
+        };
+        match problem {
+            None => Ok(()),
+            // Debug-quoted: the value may hold control characters.
+            Some(problem) => Err(format!(
+                "worker.replica_id {id:?} {problem} (it names the spill directory, the transactional id and the group member id)"
+            )),
+        }
+    }
+
     /// This replica's spill directory: `{spill_dir}/{replica_id}` (the
     /// system temp dir's `quire-spill` when `spill_dir` is empty), so replicas
-    /// sharing a machine never clean each other's files.
+    /// sharing a machine never clean each other's files. The replica id is
+    /// checked first ([`WorkerSettings::check_replica_id`]).
     pub fn replica_spill_dir(&self) -> std::path::PathBuf {
         let base = if self.spill_dir.is_empty() {
             std::env::temp_dir().join("quire-spill")
@@ -383,6 +423,47 @@ mod tests {
         ));
         let error = load_from(None, Some(environment)).unwrap_err().to_string();
         assert!(error.contains("bootstrap_server"), "{error}");
+    }
+
+    #[test]
+    fn a_replica_id_is_a_safe_path_segment_and_kafka_id() {
+        let mut worker = defaults().worker;
+        for good in [
+            "worker-0",
+            "w9",
+            "3f2a9c81b0de",
+            "api.worker_2",
+            "a",
+            &"x".repeat(64),
+        ] {
+            worker.replica_id = good.to_owned();
+            worker
+                .check_replica_id()
+                .unwrap_or_else(|error| panic!("{good}: {error}"));
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            ".hidden",
+            "-rf",
+            "a/b",
+            "../other",
+            "a b",
+            "tab\there",
+            "é",
+            "worker\0",
+            &"x".repeat(65),
+        ] {
+            worker.replica_id = bad.to_owned();
+            let error = worker
+                .check_replica_id()
+                .expect_err(&format!("{bad:?} is refused"));
+            assert!(error.starts_with("worker.replica_id "), "{error}");
+        }
+        worker.replica_id = "a/b".into();
+        let error = worker.check_replica_id().unwrap_err();
+        assert!(error.contains("'/'"), "names what is wrong: {error}");
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct WriterCounters {
     spilled: AtomicU64,
     /// The budget of the pool reporting here; 0: none.
     memory_budget: AtomicU64,
+    spill_refused_disk_full: AtomicU64,
+    spill_write_failures: AtomicU64,
 }
 
 /// The counters at one moment.
@@ -51,6 +53,13 @@ pub struct CountersSnapshot {
     /// How far buffered + in-flight memory is past the pool's budget (only
     /// when the spill is full or failing).
     pub memory_over_budget_bytes: u64,
+    /// Spills refused because the spill filesystem had no room for them
+    /// (its free space less a margin); the bytes stayed in memory.
+    pub spill_refused_disk_full: u64,
+    /// Spills whose file could not be opened or written (ENOSPC, EMFILE,
+    /// EIO, ...), or whose filesystem's free space could not be read; the
+    /// bytes stayed in memory.
+    pub spill_write_failures: u64,
 }
 
 impl WriterCounters {
@@ -76,6 +85,8 @@ impl WriterCounters {
                     held.saturating_sub(budget)
                 }
             },
+            spill_refused_disk_full: self.spill_refused_disk_full.load(Ordering::Relaxed),
+            spill_write_failures: self.spill_write_failures.load(Ordering::Relaxed),
         }
     }
 
@@ -126,5 +137,13 @@ impl WriterCounters {
 
     pub(crate) fn spill_changed(&self, delta: i64) {
         self.spilled.fetch_add(delta as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn spill_refused_disk_full(&self) {
+        self.spill_refused_disk_full.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn spill_write_failed(&self) {
+        self.spill_write_failures.fetch_add(1, Ordering::Relaxed);
     }
 }

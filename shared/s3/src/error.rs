@@ -54,9 +54,10 @@ pub enum WriterError {
     )]
     HashingInterrupted { bucket: String, key: String },
 
-    /// The bytes a document spilled to local disk could not be written or
-    /// read back. The document is abandoned like one whose upload failed;
-    /// the log still holds everything it was rendered from.
+    /// The bytes a document spilled to local disk could not be read back.
+    /// The document is abandoned like one whose upload failed; the log still
+    /// holds everything it was rendered from. (A spill that cannot be
+    /// written is no error: its bytes stay in memory.)
     #[error("the spill file of s3://{bucket}/{key} failed: {detail}")]
     Spill {
         bucket: String,

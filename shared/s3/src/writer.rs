@@ -377,18 +377,14 @@ impl MultipartWriter {
         }
         let wanted = (self.part_size - self.unsent()).min(data.len());
         let accepted = match self.make_room(&data[..wanted]) {
-            Ok(Room::Buffer) => {
+            Room::Buffer => {
                 let room = self.buffer.capacity().min(self.buffer_limit) - self.buffer.len();
                 let accepted = room.min(wanted);
                 debug_assert!(accepted > 0);
                 self.buffer.extend_from_slice(&data[..accepted]);
                 accepted
             }
-            Ok(Room::Spilled(written)) => written,
-            Err(cause) => {
-                self.begin_abort_after_failure(cause);
-                return self.poll_open(context).map_ok(|()| 0);
-            }
+            Room::Spilled(written) => written,
         };
         self.bytes_accepted += accepted as u64;
         Poll::Ready(Ok(accepted))
@@ -397,13 +393,13 @@ impl MultipartWriter {
     /// Makes room for (a prefix of) `data`, which fits in the current part:
     /// a spare part buffer for a fresh part, else a larger buffer if the pool
     /// has the memory, else the buffer's bytes (and, if the buffer is too
-    /// small for them, `data`) go to the spill file; with no spill room
-    /// either, the buffer grows past the budget (counted as over budget)
-    /// rather than lose data or stop.
-    fn make_room(&mut self, data: &[u8]) -> Result<Room, WriterError> {
+    /// small for them, `data`) go to the spill file; with the spill full,
+    /// its disk out of room or its write failing, the buffer grows past the
+    /// budget (counted as over budget) rather than lose data or fail.
+    fn make_room(&mut self, data: &[u8]) -> Room {
         let needed = self.buffer.len() + data.len();
         if needed <= self.buffer.capacity() {
-            return Ok(Room::Buffer);
+            return Room::Buffer;
         }
         if self.buffer.is_empty()
             && self.spill.is_none()
@@ -414,31 +410,31 @@ impl MultipartWriter {
             self.pool.release_buffer(self.buffer_counted);
             self.buffer_counted = spare.capacity() as u64;
             self.buffer = spare;
-            return Ok(Room::Buffer);
+            return Room::Buffer;
         }
         let doubled = (self.buffer.capacity() * 2).max(SMALLEST_BUFFER);
         let target = doubled.max(needed).min(self.buffer_limit);
         if self.grow_buffer(target, false) || (target > needed && self.grow_buffer(needed, false)) {
-            return Ok(Room::Buffer);
+            return Room::Buffer;
         }
-        match self.spill_buffer(data) {
-            Ok(Some(room)) => return Ok(room),
-            Ok(None) => {}
-            Err(error) => {
-                tracing::warn!(key = %self.target.key, %error, "spilling failed: holding the document in memory");
-            }
+        if let Some(room) = self.spill_buffer(data) {
+            return room;
         }
         if !self.warned_over_budget {
             self.warned_over_budget = true;
             tracing::warn!(
                 key = %self.target.key,
                 spilled_bytes = self.pool.snapshot().spilled_bytes,
-                "memory budget reached and the spill is full: holding the document in memory past the budget"
+                "memory budget reached and the spill is full or refused: holding the document in memory past the budget"
             );
         }
-        // Doubling still, so that appends past the budget stay linear.
-        self.grow_buffer(target, true);
-        Ok(Room::Buffer)
+        // The spill may have taken the buffer's bytes before it refused
+        // `data`: size the buffer for what it holds now. Doubling still, so
+        // that appends past the budget stay linear.
+        let needed = self.buffer.len() + data.len();
+        let doubled = (self.buffer.capacity() * 2).max(SMALLEST_BUFFER);
+        self.grow_buffer(doubled.max(needed).min(self.buffer_limit), true);
+        Room::Buffer
     }
 
     /// Replaces the buffer by one of `capacity` bytes (its bytes copied), if
@@ -469,47 +465,51 @@ impl MultipartWriter {
 
     /// Moves the buffer's bytes to the spill file (keeping the buffer for the
     /// next bytes), or, when the buffer cannot hold `data` even empty, writes
-    /// `data` there too. `None` when the pool has no spill room.
-    fn spill_buffer(&mut self, data: &[u8]) -> Result<Option<Room>, WriterError> {
+    /// `data` there too. `None` when the spill took nothing more: it is full,
+    /// its filesystem has no room, or a write failed (the pool counts and
+    /// warns); whatever did not reach the file is still in memory.
+    fn spill_buffer(&mut self, data: &[u8]) -> Option<Room> {
         let through = self.buffer.capacity().min(self.part_size) < data.len();
         let bytes = self.buffer.len() + if through { data.len() } else { 0 };
-        if !self.pool.try_reserve_spill(bytes as u64) {
-            return Ok(None);
-        }
-        if self.spill.is_none() {
-            match SpillFile::create(&self.pool) {
-                Ok(file) => self.spill = Some(file),
+        self.pool
+            .try_reserve_spill(bytes as u64, &self.target.key)
+            .ok()?;
+        let pool = &self.pool;
+        let spill = self.spill.get_or_insert_with(|| {
+            SpillFile::new(pool).expect("a spill reservation needs a spill directory")
+        });
+        let buffered = self.buffer.len();
+        let mut failure = None;
+        if buffered > 0 {
+            match spill.append(&self.buffer) {
+                Ok(()) => self.buffer.clear(),
                 Err(error) => {
-                    self.pool.release_spill(bytes as u64);
-                    return Err(self.spill_error("cannot create a spill file", &error));
+                    // The rest of the reservation was for `data`.
+                    self.pool.release_spill((bytes - buffered) as u64);
+                    failure = Some(error);
                 }
             }
         }
-        let spill = self.spill.as_mut().expect("created above");
-        let buffered = self.buffer.len() as u64;
-        if let Err(error) = spill.append(&self.buffer) {
-            self.pool.release_spill(bytes as u64 - buffered);
-            return Err(self.spill_error("cannot write", &error));
+        if through
+            && failure.is_none()
+            && let Err(error) = spill.append(data)
+        {
+            failure = Some(error);
         }
-        self.buffer.clear();
-        if through && let Err(error) = spill.append(data) {
-            self.buffer_limit = self.part_size - spill.len as usize;
-            return Err(self.spill_error("cannot write", &error));
+        let spilled = spill.len as usize;
+        self.buffer_limit = self.part_size - spilled;
+        if let Some(error) = failure {
+            self.pool.spill_write_failed(&self.target.key, &error);
+            if spilled == 0 {
+                self.spill = None;
+            }
+            return None;
         }
-        self.buffer_limit = self.part_size - spill.len as usize;
-        Ok(Some(if through {
+        Some(if through {
             Room::Spilled(data.len())
         } else {
             Room::Buffer
-        }))
-    }
-
-    fn spill_error(&self, what: &str, error: &std::io::Error) -> WriterError {
-        WriterError::Spill {
-            bucket: self.target.bucket.clone(),
-            key: self.target.key.clone(),
-            detail: format!("{what}: {error}"),
-        }
+        })
     }
 
     /// A permit of the pool's limit on parts in flight, once one is free.
@@ -563,41 +563,41 @@ impl MultipartWriter {
     }
 
     /// The current part, taken out of the writer: the buffer itself (no
-    /// copy), or the spill file with the buffer's bytes appended to it. The
-    /// memory it holds is counted as in flight from here on, under `permit`.
-    fn take_part(
-        &mut self,
-        permit: OwnedSemaphorePermit,
-    ) -> Result<(PartBody, InFlightMemory), WriterError> {
+    /// copy), or the spill file and the buffer behind it. The buffer's bytes
+    /// never join the file (a full disk cannot fail the part): the upload
+    /// task appends them to the file's bytes as it reads them back. The
+    /// memory the part holds is counted as in flight from here on, under
+    /// `permit`.
+    fn take_part(&mut self, permit: OwnedSemaphorePermit) -> (PartBody, InFlightMemory) {
         self.note_peak_buffered_bytes();
-        let Some(mut spill) = self.spill.take() else {
-            let counted = self.buffer_counted;
-            self.pool.buffer_to_in_flight(counted);
-            self.buffer_counted = 0;
-            let part = std::mem::take(&mut self.buffer).freeze();
-            let memory = InFlightMemory::counted(self.pool.clone(), counted, permit);
-            return Ok((PartBody::Memory(part), memory));
-        };
-        // The buffer's bytes join the file, whatever the spill's limit: they
-        // leave it again as soon as the part is read back.
-        self.pool.force_reserve_spill(self.buffer.len() as u64);
-        if let Err(error) = spill.append(&self.buffer) {
-            return Err(self.spill_error("cannot write", &error));
-        }
-        self.buffer.clear();
+        let counted = self.buffer_counted;
+        self.pool.buffer_to_in_flight(counted);
+        self.buffer_counted = 0;
+        let buffer = std::mem::take(&mut self.buffer).freeze();
         self.buffer_limit = self.part_size;
-        // Reading it back needs a part's memory, from the in-flight reserve.
-        let bytes = spill.len;
-        self.pool.add_in_flight(bytes);
-        let memory = InFlightMemory::counted(self.pool.clone(), bytes, permit);
-        Ok((PartBody::Spilled(spill), memory))
+        let Some(spill) = self.spill.take() else {
+            let memory = InFlightMemory::counted(self.pool.clone(), counted, permit);
+            return (PartBody::Memory(buffer), memory);
+        };
+        // Reading it back needs the whole part's memory, from the in-flight
+        // reserve, while the buffer's bytes wait beside it.
+        let read_back = spill.len + buffer.len() as u64;
+        self.pool.add_in_flight(read_back);
+        let memory = InFlightMemory::counted(self.pool.clone(), counted + read_back, permit);
+        (
+            PartBody::Spilled {
+                spill,
+                tail: buffer,
+            },
+            memory,
+        )
     }
 
     /// Takes the current part out of the writer and starts its upload and its
     /// hashing in the background.
     fn send_buffer_as_part(&mut self, permit: OwnedSemaphorePermit) -> Result<(), WriterError> {
-        let (body, memory) = self.take_part(permit)?;
-        let part_length = self.unsent_of(&body);
+        let (body, memory) = self.take_part(permit);
+        let part_length = body.len();
         let hashing = self.document_hash.link();
         // The first part's SHA-256 is the document hash so far: handing it to
         // SigV4 spares a second pass over those bytes.
@@ -641,13 +641,6 @@ impl MultipartWriter {
         Ok(())
     }
 
-    fn unsent_of(&self, body: &PartBody) -> u64 {
-        match body {
-            PartBody::Memory(part) => part.len() as u64,
-            PartBody::Spilled(spill) => spill.len,
-        }
-    }
-
     fn note_peak_buffered_bytes(&mut self) {
         self.peak_buffered_bytes = self.peak_buffered_bytes();
     }
@@ -671,7 +664,7 @@ impl MultipartWriter {
         if self.upload.is_none() && self.creation.is_none() {
             // At most one part: one PutObject, no multipart upload.
             let permit = poll_fn(|context| self.poll_part_permit(context)).await;
-            let (body, _memory) = self.take_part(permit)?;
+            let (body, _memory) = self.take_part(permit);
             let document = body.load(&self.target).await?;
             let hashing = self.document_hash.link().hash(document.clone());
             let stored = if self.target.signs_payload() {
@@ -879,23 +872,35 @@ async fn abort_upload_logging_failure(
 }
 
 /// What an upload sends: a part (or a whole small document) in memory, or
-/// spilled to a file and read back by the upload's task.
+/// its start spilled to a file, read back by the upload's task, and its end
+/// still in memory.
 enum PartBody {
     Memory(Bytes),
-    Spilled(SpillFile),
+    Spilled { spill: SpillFile, tail: Bytes },
 }
 
 impl PartBody {
+    fn len(&self) -> u64 {
+        match self {
+            PartBody::Memory(part) => part.len() as u64,
+            PartBody::Spilled { spill, tail } => spill.len + tail.len() as u64,
+        }
+    }
+
     /// The bytes, in memory. A spill file is read on the blocking pool and
-    /// deleted once read.
+    /// deleted once read; a failed read-back fails the part (those bytes are
+    /// gone: the document is rendered again from the log).
     async fn load(self, target: &UploadTarget) -> Result<Bytes, WriterError> {
-        let mut spill = match self {
+        let (spill, tail) = match self {
             PartBody::Memory(bytes) => return Ok(bytes),
-            PartBody::Spilled(spill) => spill,
+            PartBody::Spilled { spill, tail } => (spill, tail),
         };
         let read = tokio::task::spawn_blocking(move || {
-            let mut part = BytesMut::with_capacity(spill.len as usize);
-            spill.read_into(&mut part).map(|()| part)
+            let mut part = BytesMut::with_capacity(spill.len as usize + tail.len());
+            spill.read_into(&mut part).map(|()| {
+                part.extend_from_slice(&tail);
+                part
+            })
         })
         .await;
         let failed = |detail: String| WriterError::Spill {
@@ -1134,6 +1139,132 @@ mod tests {
             unreachable_bucket().writer("doc.xml", &policy),
             Err(WriterError::InvalidPolicy { .. })
         ));
+    }
+
+    /// Set in the child process that
+    /// [`a_spill_write_that_fails_leaves_the_bytes_in_memory_in_order`] runs
+    /// itself in, under a file-size limit.
+    const FILE_SIZE_LIMITED: &str = "QUIRE_S3_TEST_FILE_SIZE_LIMITED";
+    /// The largest file the child may write: spill writes past it fail
+    /// (EFBIG) as a full disk's would (ENOSPC).
+    const FILE_SIZE_LIMIT: u64 = 64 * 1024;
+
+    /// A spill write that fails does not fail the document: the first
+    /// 64 KiB reach the spill file, the file-size limit refuses the next
+    /// write, and everything after stays in memory past the budget. The
+    /// failure is counted, and the part read back is every byte, in order.
+    /// Run in a child process of its own, as the limit is the process's.
+    #[test]
+    fn a_spill_write_that_fails_leaves_the_bytes_in_memory_in_order() {
+        if std::env::var_os(FILE_SIZE_LIMITED).is_none() {
+            let name =
+                "writer::tests::a_spill_write_that_fails_leaves_the_bytes_in_memory_in_order";
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", name, "--test-threads=1", "--nocapture"])
+                .env(FILE_SIZE_LIMITED, "1")
+                .output()
+                .expect("run the test binary again");
+            let printed = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            assert!(output.status.success(), "the child failed:\n{printed}");
+            assert!(
+                printed.contains("1 passed"),
+                "the child ran no test:\n{printed}"
+            );
+            return;
+        }
+        // The kernel kills a process that writes past its file-size limit
+        // (SIGXFSZ) unless the signal is ignored; the write then fails.
+        // SAFETY: ignoring a signal installs no handler.
+        unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGXFSZ,
+                nix::sys::signal::SigHandler::SigIgn,
+            )
+        }
+        .expect("ignore SIGXFSZ");
+        nix::sys::resource::setrlimit(
+            nix::sys::resource::Resource::RLIMIT_FSIZE,
+            FILE_SIZE_LIMIT,
+            nix::sys::resource::RLIM_INFINITY,
+        )
+        .expect("limit the size of files");
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(spill_write_fails_under_the_file_size_limit());
+    }
+
+    async fn spill_write_fails_under_the_file_size_limit() {
+        let dir = std::env::temp_dir().join(format!("quire-spill-fsize-{}", std::process::id()));
+        let counters = Arc::new(WriterCounters::default());
+        let part_size = MINIMUM_PART_SIZE;
+        let pool = Arc::new(
+            MemoryPool::new(
+                crate::MemoryPolicy {
+                    budget_bytes: 2 * part_size,
+                    parts_in_flight: 1,
+                    part_size,
+                    spill_dir: Some(dir.clone()),
+                    spill_max_bytes: u64::MAX,
+                },
+                counters.clone(),
+            )
+            .unwrap(),
+        );
+        // Other documents hold the whole budget: this one's every byte
+        // must spill, or stay in memory past the budget.
+        pool.force_reserve_buffer(2 * part_size);
+        let bucket = unreachable_bucket()
+            .with_counters(counters.clone())
+            .with_memory(pool.clone());
+        let mut writer = bucket
+            .writer(
+                "doc.xml",
+                &UploadPolicy::for_max_object_size(64 * 1024 * 1024),
+            )
+            .unwrap();
+        let mut expected = Vec::new();
+        for chunk in 0..256u32 {
+            let bytes: Vec<u8> = (0..4096u32)
+                .map(|at| ((chunk * 7 + at) % 251) as u8)
+                .collect();
+            writer
+                .append(&bytes)
+                .await
+                .expect("a failed spill does not fail an append");
+            expected.extend_from_slice(&bytes);
+        }
+        assert_eq!(writer.bytes_written(), expected.len() as u64);
+        assert_eq!(
+            writer.spilled_bytes(),
+            FILE_SIZE_LIMIT,
+            "what fitted under the limit is in the file, nothing of the failed write"
+        );
+        let counted = counters.snapshot();
+        assert!(counted.spill_write_failures >= 1, "{counted:?}");
+        assert!(counted.memory_over_budget_bytes > 0, "{counted:?}");
+        assert_eq!(counted.spilled_bytes, FILE_SIZE_LIMIT);
+
+        // The part as finish() would send it: the file read back, then the
+        // bytes held in memory.
+        let permit = pool.parts.clone().acquire_owned().await.unwrap();
+        let (body, memory) = writer.take_part(permit);
+        let part = body.load(&writer.target).await.expect("read back");
+        assert!(part[..] == expected[..], "the part is every byte, in order");
+        drop(memory);
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "the spill file is deleted once read back"
+        );
+        assert_eq!(counters.snapshot().spilled_bytes, 0);
+        drop(writer);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
