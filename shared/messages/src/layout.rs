@@ -53,7 +53,10 @@ pub fn report_key(stream: &StreamName, partition: i32, first_offset: i64, gzip: 
 
 /// A document's S3 key under its definition: the definition's
 /// `key_template` rendered with `hour` (the window's start in its zone, or
-/// the first message's log time in UTC), or [`report_key`].
+/// the first message's log time in UTC), or [`report_key`]. A template the
+/// rules of [`key_template::validate`] refuse (one an older release
+/// accepted, kept in a watermark) is not rendered: its document takes the
+/// default key, so it stays in its stream's space.
 pub fn document_key(
     stream: &StreamName,
     partition: i32,
@@ -62,33 +65,77 @@ pub fn document_key(
     hour: CivilHour,
 ) -> String {
     match &definition.key_template {
-        Some(template) => key_template::render(
-            template,
-            &KeyParts {
-                stream: stream.as_str(),
-                year: hour.year,
-                month: hour.month,
-                day: hour.day,
-                hour: hour.hour,
-                partition,
-                first_offset,
-            },
-        ),
-        None => report_key(stream, partition, first_offset, definition.gzip),
+        Some(template) if key_template::validate(template, definition.gzip).is_ok() => {
+            key_template::render(
+                template,
+                &KeyParts {
+                    stream: stream.as_str(),
+                    year: hour.year,
+                    month: hour.month,
+                    day: hour.day,
+                    hour: hour.hour,
+                    partition,
+                    first_offset,
+                },
+            )
+        }
+        _ => report_key(stream, partition, first_offset, definition.gzip),
     }
 }
 
 /// Whether `key` is a document of record partition `partition` (of any
-/// stream): what a worker taking the partition sweeps.
+/// stream): what a worker taking the partition sweeps. Strict, because
+/// aborting an upload that is not the partition's kills a live document of
+/// another owner: the key must be
+/// `reports/{stream}/[{segment}/...]{partition:05}-{20 digits}.xml` (or
+/// `.xml.gz`), with a valid stream name as its first segment, no empty
+/// segment, and the file name exactly that, nothing before or after.
+///
+/// Why a key of that shape proves its partition, whatever definitions the
+/// streams have (the argument rests on `key_template::validate`, which both
+/// the API and the worker apply to every template):
+/// - every template starts with `reports/{stream}/`, and a stream name holds
+///   no `/`, so a document's first segment is its own stream's name: no
+///   template places a document in another stream's folder, or in a folder
+///   that is no stream's;
+/// - a template's file name is either exactly `{partition}-{first_offset}`
+///   with the extension, which renders the document's own partition, or one
+///   that no stream name and no placeholder value can render into this
+///   shape (rule 8 there), so it is never taken for any partition's. Such a
+///   document's leftover upload is aborted when its document opens again,
+///   on its exact key (`OpenDocument::open` in the worker);
+/// - a definition in the log that an older release accepted and these rules
+///   refuse is a dead letter to the worker, and [`document_key`] does not
+///   render such a template should one come back with a watermark.
+///
+/// What remains is what no key can tell: an object written under `reports/`
+/// by something other than quire, in this shape, is taken as partition
+/// `partition`'s; quire's bucket is quire's.
 pub fn report_key_belongs_to(key: &str, partition: i32) -> bool {
     let Some(rest) = key.strip_prefix(REPORTS_PREFIX) else {
         return false;
     };
-    let Some((_stream, file)) = rest.rsplit_once('/') else {
+    let Some((stream, below_stream)) = rest.split_once('/') else {
         return false;
     };
-    file.strip_prefix(&format!("{partition:05}-"))
-        .is_some_and(|tail| tail.len() > 20 && tail.as_bytes()[..20].iter().all(u8::is_ascii_digit))
+    if StreamName::new(stream).is_err() || below_stream.split('/').any(str::is_empty) {
+        return false;
+    }
+    let file_name = below_stream
+        .rsplit_once('/')
+        .map_or(below_stream, |(_, file_name)| file_name);
+    let Some(stem) = file_name
+        .strip_suffix(".xml")
+        .or_else(|| file_name.strip_suffix(".xml.gz"))
+    else {
+        return false;
+    };
+    let Some((named_partition, offset)) = stem.split_once('-') else {
+        return false;
+    };
+    named_partition == format!("{partition:05}")
+        && offset.len() == 20
+        && offset.bytes().all(|byte| byte.is_ascii_digit())
 }
 
 /// Where a report's manifest lives.
@@ -198,6 +245,73 @@ mod tests {
         assert!(!report_key_belongs_to(&key, 70));
         assert!(!report_key_belongs_to("manifests/a~7-12.json", 7));
         assert!(!report_key_belongs_to("reports/a/00007-x.xml", 7));
+    }
+
+    #[test]
+    fn only_a_key_of_the_exact_shape_belongs_to_a_partition() {
+        let offset = "00000000000000000012";
+        for key in [
+            format!("reports/orders/00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.xml.gz"),
+            format!("reports/orders/dt=2026-03-29/hh=05/00007-{offset}.xml"),
+            format!("reports/a.b-c_d/x/00007-{offset}.xml.gz"),
+        ] {
+            assert!(report_key_belongs_to(&key, 7), "{key}");
+            assert!(!report_key_belongs_to(&key, 8), "{key}");
+        }
+        for key in [
+            // Something before or after the file name's shape.
+            format!("reports/orders/x00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}0.xml"),
+            format!("reports/orders/00007-{offset}.xml.bak"),
+            format!("reports/orders/00007-{offset}.xml.gz.tmp"),
+            format!("reports/orders/00007-{offset}-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.json"),
+            format!("reports/orders/00007-{offset}"),
+            "reports/orders/00007-0000000000000000012.xml".to_owned(),
+            format!("reports/orders/0007-{offset}.xml"),
+            format!("reports/orders/00007_{offset}.xml"),
+            // Not in a stream's space.
+            format!("reports/00007-{offset}.xml"),
+            format!("reports/-bad/00007-{offset}.xml"),
+            format!("reports/not~a~stream/00007-{offset}.xml"),
+            format!("reports/orders//00007-{offset}.xml"),
+            format!("reports//orders/00007-{offset}.xml"),
+            format!("Reports/orders/00007-{offset}.xml"),
+            format!("windows/orders/00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.xml/"),
+        ] {
+            assert!(!report_key_belongs_to(&key, 7), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_template_the_rules_refuse_renders_the_default_key() {
+        let stream = StreamName::new("evil-x").unwrap();
+        let hour = CivilHour {
+            year: 2026,
+            month: 3,
+            day: 29,
+            hour: 5,
+        };
+        let hostile = Definition {
+            key_template: Some("reports/orders/{partition}-{first_offset}.xml".to_owned()),
+            ..Definition::default()
+        };
+        assert_eq!(
+            document_key(&stream, 3, 42, &hostile, hour),
+            report_key(&stream, 3, 42, false)
+        );
+        let hive = Definition {
+            key_template: Some(
+                "reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml".to_owned(),
+            ),
+            ..Definition::default()
+        };
+        assert_eq!(
+            document_key(&stream, 3, 42, &hive, hour),
+            "reports/evil-x/dt=2026-03-29/00003-00000000000000000042.xml"
+        );
     }
 
     #[test]
