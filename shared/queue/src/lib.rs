@@ -38,7 +38,7 @@ pub use consumer::{
     TransactionOutcome,
 };
 pub use context::{PartitionProgress, RebalanceEvent};
-pub use error::{QueueError, is_transient};
+pub use error::{QueueError, is_fencing_error, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
 pub use producer::{
