@@ -30,7 +30,8 @@ mod reader;
 mod tail;
 
 pub use admin::{
-    TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics, design_topics, ensure_topics,
+    IDEMPOTENCY_RETENTION_MS, TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics,
+    design_topics, ensure_topics, topic_config,
 };
 pub use client::PROTECTED_PROPERTIES;
 pub use consumer::{
