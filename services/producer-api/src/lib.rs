@@ -30,6 +30,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod publish;
 pub mod rate;
+pub mod reported;
 pub mod routes;
 pub mod serve;
 pub mod startup;

@@ -26,6 +26,7 @@ use crate::metrics::{self, Metrics};
 use crate::openapi;
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
+use crate::reported::Reported;
 use crate::routes::{Access, ROUTES};
 use crate::serve::{ConnectionLimits, serve};
 use crate::state::{AppState, Services};
@@ -85,6 +86,8 @@ pub enum StartupError {
     KeyLog(String),
     #[error("cannot start the report look-up reader: {0}")]
     LogReader(LogError),
+    #[error("cannot follow the watermark topic (how far each stream is reported): {0}")]
+    Watermarks(String),
 }
 
 /// The producer API, bound and connected, not yet serving.
@@ -194,6 +197,25 @@ impl Application {
             LogReader::new(&settings.kafka, records_partitions, &lookup_group)
                 .map_err(StartupError::LogReader)?,
         );
+        let reported = {
+            let kafka = settings.kafka.clone();
+            let watermark_partitions = specs
+                .iter()
+                .find(|spec| spec.name == settings.kafka.topics.watermarks)
+                .map(|spec| spec.partitions)
+                .expect("design_topics lists the watermark topic");
+            let group_id = format!(
+                "{}-{}-watermarks",
+                settings.api.transactional_id_prefix, settings.api.replica_id
+            );
+            tokio::task::spawn_blocking(move || {
+                Reported::start(&kafka, watermark_partitions, &group_id)
+            })
+            .await
+            .map_err(|error| StartupError::Watermarks(error.to_string()))?
+            .map(Arc::new)
+            .map_err(|error| StartupError::Watermarks(error.to_string()))?
+        };
         let kafka_health = KafkaHealth::new();
         kafka_health::spawn_watcher(
             Arc::clone(&kafka_health),
@@ -249,6 +271,7 @@ impl Application {
             storage,
             downloads,
             log,
+            reported,
             in_flight_bytes: InFlightBytes::new(
                 settings.api.max_in_flight_bytes,
                 metrics.in_flight_bytes_gauge(),

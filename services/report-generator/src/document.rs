@@ -381,6 +381,7 @@ impl OpenDocument {
             key,
             bytes,
             sha256_hex,
+            e_tag,
             ..
         } = self.writer.finish().await?;
         let manifest = Manifest {
@@ -394,6 +395,7 @@ impl OpenDocument {
             records: self.records,
             bytes,
             sha256: sha256_hex,
+            e_tag,
             uncompressed_bytes,
             trigger,
             first_record_time_ms: self.first_record_time_ms,
