@@ -1,8 +1,18 @@
-//! How far a `quire send` got: a small JSON file rewritten (atomically)
-//! after every array the API accepted, read back by `--resume`.
+//! How far a `quire send` got: a small JSON file rewritten after every
+//! array the API accepted, read back by `--resume`.
+//!
+//! A rewrite must survive a crash and a power loss at any instant, leaving
+//! either the previous state or the new one, whole. So the new text goes to
+//! `FILE.tmp`, which is flushed to the disk (`fsync`) before it is renamed
+//! over `FILE`, and the directory is flushed after the rename, so the rename
+//! itself is on the disk. Without the first flush a file system may put the
+//! rename on the disk before the data, and a power loss then leaves an
+//! empty or partial `FILE` in place of the good old one; without the second,
+//! the old `FILE` may come back. A `FILE.tmp` left by a crash is never read:
+//! the next save truncates it and [`SendProgress::remove`] deletes it.
 
 use std::fs;
-use std::io;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -120,34 +130,66 @@ impl SendProgress {
         Ok(Some(progress))
     }
 
-    /// Writes the state file through a temporary file and a rename, so a
-    /// crash mid-write leaves the previous state, never half a file.
+    /// Writes the state file through a temporary file, flushed to the disk,
+    /// and a rename (see the module's documentation), so a crash or a power
+    /// loss mid-write leaves the previous state or this one, never half a
+    /// file.
     pub fn save(&self, path: &Path) -> Result<(), StateError> {
         let write_error = |source| StateError::Write {
             path: path.to_owned(),
             source,
         };
-        let mut temporary = path.as_os_str().to_owned();
-        temporary.push(".tmp");
-        let temporary = PathBuf::from(temporary);
         let mut text = serde_json::to_vec_pretty(self)
             .map_err(io::Error::other)
             .map_err(write_error)?;
         text.push(b'\n');
-        fs::write(&temporary, text).map_err(write_error)?;
-        fs::rename(&temporary, path).map_err(write_error)
+        let temporary = temporary_path(path);
+        write_durably(&temporary, &text).map_err(write_error)?;
+        fs::rename(&temporary, path).map_err(write_error)?;
+        sync_directory_of(path).map_err(write_error)
     }
 
-    /// Removes the state file once everything was sent.
+    /// Removes the state file once everything was sent, and a temporary
+    /// file a crash may have left beside it.
     pub fn remove(path: &Path) -> Result<(), StateError> {
-        match fs::remove_file(path) {
-            Ok(()) => Ok(()),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(StateError::Write {
-                path: path.to_owned(),
-                source,
-            }),
+        for file in [temporary_path(path), path.to_owned()] {
+            match fs::remove_file(&file) {
+                Ok(()) => {}
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => return Err(StateError::Write { path: file, source }),
+            }
         }
+        Ok(())
+    }
+}
+
+/// Where a new state is written before it replaces `path`: `FILE.tmp`.
+fn temporary_path(path: &Path) -> PathBuf {
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    PathBuf::from(temporary)
+}
+
+/// Writes `text` to `path` (created or truncated) and flushes it to the
+/// disk before returning.
+fn write_durably(path: &Path, text: &[u8]) -> io::Result<()> {
+    let mut file = fs::File::create(path)?;
+    file.write_all(text)?;
+    file.sync_all()
+}
+
+/// Flushes the directory holding `path` to the disk, so a rename into it is
+/// there after a power loss. Directories can be opened and flushed on Unix;
+/// elsewhere the rename is what the platform offers.
+fn sync_directory_of(path: &Path) -> io::Result<()> {
+    if cfg!(unix) {
+        let directory = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        fs::File::open(directory)?.sync_all()
+    } else {
+        Ok(())
     }
 }
 
@@ -178,6 +220,64 @@ mod tests {
         SendProgress::remove(&path).unwrap();
         assert_eq!(SendProgress::load(&path).unwrap(), None);
         SendProgress::remove(&path).unwrap();
+    }
+
+    #[test]
+    fn a_save_leaves_the_whole_file_and_no_temporary_one() {
+        let path = scratch_path();
+        let mut progress = SendProgress::new("orders", "orders.json", Format::Array, None);
+        for records in [1, 20, 300, 4000] {
+            progress.records = records;
+            progress.last_id = Some(format!("3-{records}"));
+            progress.save(&path).unwrap();
+            let text = fs::read(&path).unwrap();
+            assert!(text.ends_with(b"}\n"), "the file ends where its JSON does");
+            let loaded: SendProgress = serde_json::from_slice(&text).unwrap();
+            assert_eq!(loaded, progress);
+            assert!(
+                !temporary_path(&path).exists(),
+                "the temporary file was renamed"
+            );
+        }
+        SendProgress::remove(&path).unwrap();
+    }
+
+    #[test]
+    fn a_temporary_file_left_by_a_crash_is_ignored_replaced_and_removed() {
+        let path = scratch_path();
+        let temporary = temporary_path(&path);
+        let mut progress = SendProgress::new("orders", "orders.json", Format::Ndjson, None);
+        progress.records = 10;
+        progress.save(&path).unwrap();
+        // A crash after the temporary file was created, before its rename:
+        // half a JSON text, longer than the next one.
+        fs::write(
+            &temporary,
+            format!("{{\"v\":1,\"stream\":\"{}", "x".repeat(4096)),
+        )
+        .unwrap();
+        assert_eq!(
+            SendProgress::load(&path).unwrap().unwrap().records,
+            10,
+            "the leftover is not read"
+        );
+        progress.records = 20;
+        progress.save(&path).unwrap();
+        assert_eq!(SendProgress::load(&path).unwrap(), Some(progress));
+        assert!(!temporary.exists());
+
+        fs::write(&temporary, "{").unwrap();
+        SendProgress::remove(&path).unwrap();
+        assert!(!path.exists());
+        assert!(!temporary.exists(), "the leftover went with the state file");
+    }
+
+    #[test]
+    fn the_directory_of_a_bare_file_name_is_the_current_one() {
+        // `--state progress.json`: its directory is ".", flushed like any.
+        sync_directory_of(Path::new("progress.json")).unwrap();
+        sync_directory_of(&std::env::temp_dir().join("progress.json")).unwrap();
+        assert!(sync_directory_of(Path::new("/no/such/directory/progress.json")).is_err());
     }
 
     #[test]

@@ -150,6 +150,16 @@ pub enum ApiError {
     ReportContentGone { id: String, key: String },
 
     #[error(
+        "report {id} was completed and has expired: report retention (s3.report_retention_days) deleted its document and its manifest, so it can no longer be read"
+    )]
+    ReportExpired { id: String },
+
+    #[error(
+        "report {id} is no more: its manifest describes a document that its key no longer holds, because a replay of the log cut the stream elsewhere (a worker restarted with other rollover settings after a crash); its records are in the stream's other reports (GET /v1/streams/{{stream}}/reports)"
+    )]
+    ReportSuperseded { id: String },
+
+    #[error(
         "this API hands out no download URLs (api.download_url_expiry_ms is 0); GET /v1/reports/{id}/content serves the document"
     )]
     DownloadUrlsOff { id: String },
@@ -288,6 +298,8 @@ impl ApiError {
             ApiError::BodyTimeout { .. } => (S::REQUEST_TIMEOUT, "body_timeout"),
             ApiError::ReportContentGone { .. } => (S::GONE, "report_content_gone"),
             ApiError::ReportLogGone { .. } => (S::GONE, "report_log_gone"),
+            ApiError::ReportExpired { .. } => (S::GONE, "report_expired"),
+            ApiError::ReportSuperseded { .. } => (S::GONE, "report_superseded"),
             ApiError::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "body_too_large"),
             ApiError::TooManyRecords { .. } => (S::PAYLOAD_TOO_LARGE, "too_many_records"),
             ApiError::RecordTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, "record_too_large"),
@@ -431,6 +443,8 @@ impl ApiError {
             | ApiError::ReportLogGone { id }
             | ApiError::ReportPending { id }
             | ApiError::DownloadUrlsOff { id }
+            | ApiError::ReportExpired { id }
+            | ApiError::ReportSuperseded { id }
             | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
             ApiError::DefinitionNotFound { stream } => json!({"stream": stream}),
             ApiError::Forbidden {
@@ -625,6 +639,16 @@ mod tests {
                 ApiError::DownloadUrlsOff { id: "s~1-2".into() },
                 404,
                 "download_urls_off",
+            ),
+            (
+                ApiError::ReportExpired { id: "s~1-2".into() },
+                410,
+                "report_expired",
+            ),
+            (
+                ApiError::ReportSuperseded { id: "s~1-2".into() },
+                410,
+                "report_superseded",
             ),
             (
                 ApiError::UnsupportedMediaType {

@@ -33,6 +33,7 @@ pub mod openapi;
 pub mod placement;
 pub mod publish;
 pub mod rate;
+pub mod reported;
 pub mod routes;
 pub mod serve;
 pub mod startup;

@@ -27,6 +27,7 @@ use crate::openapi;
 use crate::placement::{Placement, Sources as PlacementSources};
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
+use crate::reported::Reported;
 use crate::routes::{Access, ROUTES};
 use crate::serve::{ConnectionLimits, serve};
 use crate::state::{AppState, Services};
@@ -72,6 +73,14 @@ pub enum StartupError {
         "refusing to start: the kafka topics are not what quire needs ({0}); a changed partition count would move streams between partitions"
     )]
     Topics(QueueError),
+    #[error(
+        "api.idempotency_ttl_ms ({ttl_ms}) is longer than the idempotency topic {topic} keeps answers (retention.ms = {retention_ms}): a retry after the topic deleted its key's answer, but within the TTL, would be published twice (after a restart, or on another replica); lower api.idempotency_ttl_ms to at most {retention_ms}, or raise the topic's retention.ms"
+    )]
+    IdempotencyTtlBeyondRetention {
+        ttl_ms: u64,
+        retention_ms: i64,
+        topic: String,
+    },
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
     #[error("refusing to start: {0}")]
@@ -80,6 +89,8 @@ pub enum StartupError {
     KeyLog(String),
     #[error("cannot start the report look-up reader: {0}")]
     LogReader(LogError),
+    #[error("cannot follow the watermark topic (how far each stream is reported): {0}")]
+    Watermarks(String),
 }
 
 /// The producer API, bound and connected, not yet serving.
@@ -121,6 +132,15 @@ impl Application {
         quire_queue::check_topics(&settings.kafka, &specs)
             .await
             .map_err(StartupError::Topics)?;
+        let idempotency_topic = &settings.kafka.topics.idempotency;
+        let idempotency_config = quire_queue::topic_config(&settings.kafka, idempotency_topic)
+            .await
+            .map_err(StartupError::Topics)?;
+        check_idempotency_ttl(
+            settings.api.idempotency_ttl_ms,
+            idempotency_topic,
+            &idempotency_config,
+        )?;
         // The live count (the topic may have grown past kafka.partitions):
         // releases and look-ups cover every partition there is.
         let records_partitions =
@@ -184,6 +204,25 @@ impl Application {
             LogReader::new(&settings.kafka, records_partitions, &lookup_group)
                 .map_err(StartupError::LogReader)?,
         );
+        let reported = {
+            let kafka = settings.kafka.clone();
+            let watermark_partitions = specs
+                .iter()
+                .find(|spec| spec.name == settings.kafka.topics.watermarks)
+                .map(|spec| spec.partitions)
+                .expect("design_topics lists the watermark topic");
+            let group_id = format!(
+                "{}-{}-watermarks",
+                settings.api.transactional_id_prefix, settings.api.replica_id
+            );
+            tokio::task::spawn_blocking(move || {
+                Reported::start(&kafka, watermark_partitions, &group_id)
+            })
+            .await
+            .map_err(|error| StartupError::Watermarks(error.to_string()))?
+            .map(Arc::new)
+            .map_err(|error| StartupError::Watermarks(error.to_string()))?
+        };
         let kafka_health = KafkaHealth::new();
         kafka_health::spawn_watcher(
             Arc::clone(&kafka_health),
@@ -269,6 +308,7 @@ impl Application {
             storage,
             downloads,
             log,
+            reported,
             in_flight_bytes: InFlightBytes::new(
                 settings.api.max_in_flight_bytes,
                 metrics.in_flight_bytes_gauge(),
@@ -361,6 +401,35 @@ fn authentication(settings: &Settings, address: SocketAddr) -> Result<BearerToke
         tracing::warn!(%address, "authentication is off (api.allow_unauthenticated) on a non-loopback address");
     }
     Ok(tokens)
+}
+
+/// Refuses an `Idempotency-Key` lifetime longer than the idempotency topic
+/// keeps the answers (`config`: the topic's live settings). Within the TTL a
+/// retry must find its first answer; the answers outlive a restart and are
+/// shared by replicas only through the topic, so the topic must keep them
+/// at least that long. A topic that deletes nothing by time (retention.ms
+/// -1, or a policy without `delete`) keeps them forever.
+fn check_idempotency_ttl(
+    ttl_ms: u64,
+    topic: &str,
+    config: &std::collections::BTreeMap<String, String>,
+) -> Result<(), StartupError> {
+    let deletes = config
+        .get("cleanup.policy")
+        .is_none_or(|policy| policy.split(',').any(|part| part.trim() == "delete"));
+    let retention_ms = config
+        .get("retention.ms")
+        .and_then(|value| value.trim().parse::<i64>().ok());
+    match retention_ms {
+        Some(retention_ms) if deletes && retention_ms >= 0 && ttl_ms > retention_ms as u64 => {
+            Err(StartupError::IdempotencyTtlBeyondRetention {
+                ttl_ms,
+                retention_ms,
+                topic: topic.to_owned(),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The endpoint download URLs are signed for, or None when they are off.
@@ -556,6 +625,46 @@ mod tests {
             })
             .collect();
         settings
+    }
+
+    #[test]
+    fn an_idempotency_ttl_past_the_topics_retention_is_refused() {
+        let config = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect()
+        };
+        let two_days = config(&[("cleanup.policy", "delete"), ("retention.ms", "172800000")]);
+        assert!(check_idempotency_ttl(172_800_000, "quire.idempotency", &two_days).is_ok());
+        assert!(check_idempotency_ttl(86_400_000, "quire.idempotency", &two_days).is_ok());
+        let error = check_idempotency_ttl(172_800_001, "quire.idempotency", &two_days)
+            .err()
+            .unwrap();
+        let message = error.to_string();
+        for needle in [
+            "api.idempotency_ttl_ms (172800001)",
+            "retention.ms = 172800000",
+            "quire.idempotency",
+        ] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        // Topics that delete nothing by time keep answers forever.
+        for forever in [
+            config(&[("cleanup.policy", "delete"), ("retention.ms", "-1")]),
+            config(&[("cleanup.policy", "compact"), ("retention.ms", "1000")]),
+            config(&[]),
+        ] {
+            assert!(
+                check_idempotency_ttl(u64::MAX, "t", &forever).is_ok(),
+                "{forever:?}"
+            );
+        }
+        let both = config(&[
+            ("cleanup.policy", "compact,delete"),
+            ("retention.ms", "1000"),
+        ]);
+        assert!(check_idempotency_ttl(1001, "t", &both).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
+use crate::reported::Reported;
 use crate::storage::{DownloadUrls, Storage};
 use crate::validation::Limits;
 
@@ -32,6 +33,9 @@ pub struct Services {
     /// Presigned download URLs, unless `api.download_url_expiry_ms` is 0.
     pub downloads: Option<DownloadUrls>,
     pub log: Arc<LogReader>,
+    /// How far each stream is reported (the watermarks), to tell an
+    /// expired report from a pending one.
+    pub reported: Arc<Reported>,
     pub metrics: Arc<Metrics>,
     /// `api.max_in_flight_bytes`.
     pub in_flight_bytes: Arc<InFlightBytes>,

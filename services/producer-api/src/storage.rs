@@ -40,6 +40,36 @@ pub enum StorageError {
     },
 }
 
+/// The object at a manifest's key, against the manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DocumentCheck {
+    /// The object the manifest describes: same size and, when the manifest
+    /// records one, same ETag.
+    Described,
+    /// No object at the key (deleted: report retention, or by hand).
+    Missing,
+    /// Another object: a replay that cut the log elsewhere wrote other
+    /// bytes to the same key. What was found, for the log.
+    Replaced {
+        bytes: Option<i64>,
+        e_tag: Option<String>,
+    },
+}
+
+/// A report document opened for streaming, or why not.
+pub enum OpenedDocument {
+    Object(StoredObject),
+    Missing,
+    /// The object at the key is no longer the one the manifest describes
+    /// (`If-Match` failed: it was replaced since it was checked).
+    Replaced,
+}
+
+/// An ETag without its quotes (servers and SDKs differ in keeping them).
+fn bare_e_tag(e_tag: &str) -> &str {
+    e_tag.trim().trim_matches('"')
+}
+
 /// A report document about to be streamed to a client.
 pub struct StoredObject {
     pub body: ByteStream,
@@ -123,8 +153,10 @@ impl Storage {
         }
     }
 
-    /// Whether `key` exists (HeadObject).
-    pub async fn exists(&self, key: &str) -> Result<bool, StorageError> {
+    /// Whether the object at `manifest.key` is the one `manifest` describes
+    /// (one HeadObject): its size, and its ETag when the manifest has one.
+    pub async fn check_document(&self, manifest: &Manifest) -> Result<DocumentCheck, StorageError> {
+        let key = &manifest.key;
         let answer = self
             .client
             .head_object()
@@ -132,10 +164,53 @@ impl Storage {
             .key(key)
             .send()
             .await;
+        let head = match answer {
+            Ok(head) => head,
+            Err(error) if is_not_found(&error) => return Ok(DocumentCheck::Missing),
+            Err(error) => {
+                return Err(self.call_failed("HeadObject", key, &DisplayErrorContext(&error)));
+            }
+        };
+        let bytes = head.content_length();
+        let same_size = bytes.and_then(|bytes| u64::try_from(bytes).ok()) == Some(manifest.bytes);
+        let same_tag = match (&manifest.e_tag, head.e_tag()) {
+            (Some(recorded), Some(found)) => bare_e_tag(recorded) == bare_e_tag(found),
+            (Some(_), None) => false,
+            (None, _) => true,
+        };
+        if same_size && same_tag {
+            Ok(DocumentCheck::Described)
+        } else {
+            Ok(DocumentCheck::Replaced {
+                bytes,
+                e_tag: head.e_tag().map(str::to_owned),
+            })
+        }
+    }
+
+    /// Opens a report document for streaming, only while it is the object
+    /// whose ETag is `e_tag` (GetObject with `If-Match`), when given.
+    pub async fn open_document(
+        &self,
+        key: &str,
+        e_tag: Option<&str>,
+    ) -> Result<OpenedDocument, StorageError> {
+        let answer = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .set_if_match(e_tag.map(str::to_owned))
+            .send()
+            .await;
         match answer {
-            Ok(_) => Ok(true),
-            Err(error) if is_not_found(&error) => Ok(false),
-            Err(error) => Err(self.call_failed("HeadObject", key, &DisplayErrorContext(&error))),
+            Ok(output) => Ok(OpenedDocument::Object(StoredObject {
+                content_length: output.content_length(),
+                body: output.body,
+            })),
+            Err(error) if is_not_found(&error) => Ok(OpenedDocument::Missing),
+            Err(error) if status_of(&error) == Some(412) => Ok(OpenedDocument::Replaced),
+            Err(error) => Err(self.call_failed("GetObject", key, &DisplayErrorContext(&error))),
         }
     }
 
@@ -303,7 +378,24 @@ impl DownloadUrls {
 
 /// A 404 from the server (NoSuchKey, or a server that says it differently).
 fn is_not_found<E>(error: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> bool {
+    status_of(error) == Some(404)
+}
+
+/// The HTTP status the server answered, if it answered.
+fn status_of<E>(error: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> Option<u16> {
     error
         .raw_response()
-        .is_some_and(|response| response.status().as_u16() == 404)
+        .map(|response| response.status().as_u16())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn etags_compare_without_their_quotes() {
+        assert_eq!(bare_e_tag("\"abc-2\""), "abc-2");
+        assert_eq!(bare_e_tag("abc-2"), "abc-2");
+        assert_eq!(bare_e_tag(" \"abc\" "), "abc");
+    }
 }

@@ -387,6 +387,7 @@ impl OpenDocument {
             key,
             bytes,
             sha256_hex,
+            e_tag,
             ..
         } = self.writer.finish().await?;
         let manifest = Manifest {
@@ -400,6 +401,7 @@ impl OpenDocument {
             records: self.records,
             bytes,
             sha256: sha256_hex,
+            e_tag,
             uncompressed_bytes,
             trigger,
             first_record_time_ms: self.first_record_time_ms,

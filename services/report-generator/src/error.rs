@@ -96,7 +96,8 @@ impl WorkerError {
     /// A short name of the failing side, for logs: `kafka`, `s3`, `config`...
     pub fn cause(&self) -> &'static str {
         match self {
-            WorkerError::Queue(QueueError::ProducerFatal(_)) => "kafka-fenced",
+            WorkerError::Queue(error) if error.is_fencing() => "kafka-fenced",
+            WorkerError::Queue(QueueError::ProducerFatal(_)) => "kafka-producer-fatal",
             WorkerError::Queue(QueueError::TransactionAborted(_)) => "kafka-transaction",
             WorkerError::Queue(QueueError::OffsetOutOfRange { .. }) => "offset-out-of-range",
             WorkerError::Queue(
@@ -244,8 +245,31 @@ mod tests {
     fn the_cause_names_the_failing_side() {
         assert_eq!(WorkerError::Writer(s3_failure()).cause(), "s3");
         assert_eq!(
-            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::Canceled)).cause(),
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fenced
+            )))
+            .cause(),
             "kafka-fenced"
+        );
+        assert_eq!(
+            WorkerError::Queue(QueueError::CommitOutcomeUnknown {
+                source: KafkaError::Flush(RDKafkaErrorCode::ProducerFenced),
+                ids: Vec::new(),
+            })
+            .cause(),
+            "kafka-fenced"
+        );
+        // Fatal, but nobody took the transactional id: named as what it is.
+        assert_eq!(
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fatal
+            )))
+            .cause(),
+            "kafka-producer-fatal"
+        );
+        assert_eq!(
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::Canceled)).cause(),
+            "kafka-producer-fatal"
         );
         assert_eq!(
             WorkerError::Queue(QueueError::TopicMismatch("x".into())).cause(),

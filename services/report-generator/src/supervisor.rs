@@ -17,7 +17,10 @@
 //! error, and the process exits non-zero. So does being fenced
 //! [`FENCED_IN_A_ROW_LIMIT`] sessions in a row: one fencing is cured by a new
 //! session, but two processes with the same `worker.replica_id` fence each
-//! other at every restart, forever.
+//! other at every restart, forever. Only a fencing counts (a producer fenced
+//! by a newer epoch of its transactional id, told by librdkafka's error
+//! code, or the consumer fenced as a static member); any other fatal
+//! producer error restarts the session and is logged as what it is.
 
 use std::time::{Duration, Instant};
 
@@ -139,6 +142,9 @@ fn hint(error: &WorkerError) -> &'static str {
         "kafka-fenced" => {
             "the producer was fenced: by this worker's own timeout, or by another process with the same worker.replica_id"
         }
+        "kafka-producer-fatal" => {
+            "the kafka producer hit a fatal error that is not a fencing (see error); the new session makes a new producer"
+        }
         "watermarks-unstable" => {
             "a transaction on the watermark partition stays open: a stuck worker or a hanging transaction"
         }
@@ -148,12 +154,16 @@ fn hint(error: &WorkerError) -> &'static str {
 }
 
 /// Whether a session ended because another process took this worker's
-/// identity: its producer fenced (a newer epoch of its transactional id), or
-/// its consumer fenced (librdkafka's only fatal consumer error: a static
-/// member with the same `group.instance.id` joined).
+/// identity: its producer fenced (a newer epoch of its transactional id:
+/// [`QueueError::is_fencing`], by librdkafka's error code), or its consumer
+/// fenced (librdkafka's only fatal consumer error: a static member with the
+/// same `group.instance.id` joined). A producer fatal for another reason
+/// (marked unusable after an abort that did not finish, an authorization
+/// refused) is not: counting it would end in `ReplicaIdInUse`, a false
+/// accusation that sends the operator looking for a twin.
 fn ended_by_fencing(error: &WorkerError) -> bool {
     match error {
-        WorkerError::Queue(QueueError::ProducerFatal(_)) => true,
+        WorkerError::Queue(error) if error.is_fencing() => true,
         WorkerError::Queue(QueueError::Consume(KafkaError::MessageConsumptionFatal(_))) => true,
         WorkerError::Queue(QueueError::GroupRefused(error)) => {
             error.rdkafka_error_code() == Some(RDKafkaErrorCode::FencedInstanceId)
@@ -283,8 +293,69 @@ mod tests {
 
     fn fenced() -> WorkerError {
         WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
-            RDKafkaErrorCode::Fatal,
+            RDKafkaErrorCode::Fenced,
         )))
+    }
+
+    #[test]
+    fn fatal_producer_errors_that_are_not_fencings_never_add_up_to_a_replica_id_in_use() {
+        let quick = Duration::from_secs(5);
+        let not_fencings = [
+            // Marked unusable by quire: an abort that did not finish.
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::Fatal,
+            ))),
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
+            ))),
+            WorkerError::Queue(QueueError::CommitOutcomeUnknown {
+                source: KafkaError::Flush(RDKafkaErrorCode::OperationTimedOut),
+                ids: Vec::new(),
+            }),
+        ];
+        for error in &not_fencings {
+            let mut count = FencingCount::default();
+            for session in 0..10 {
+                assert_eq!(
+                    count.session_ended(error, quick),
+                    None,
+                    "session {session} ended by {error}"
+                );
+            }
+            assert_eq!(error.recovery(), Recovery::Restart, "{error}");
+            assert_ne!(error.cause(), "kafka-fenced", "{error}");
+        }
+        // The real thing, however it surfaced, still counts.
+        let fencings = [
+            RDKafkaErrorCode::Fenced,
+            RDKafkaErrorCode::ProducerFenced,
+            RDKafkaErrorCode::InvalidProducerEpoch,
+        ]
+        .map(|code| {
+            WorkerError::Queue(QueueError::ProducerFatal(KafkaError::MessageProduction(
+                code,
+            )))
+        });
+        for error in &fencings {
+            let mut count = FencingCount::default();
+            for _ in 1..FENCED_IN_A_ROW_LIMIT {
+                assert_eq!(count.session_ended(error, quick), None);
+            }
+            assert_eq!(
+                count.session_ended(error, quick),
+                Some(FENCED_IN_A_ROW_LIMIT),
+                "{error}"
+            );
+        }
+        let mut count = FencingCount::default();
+        let fenced_commit = WorkerError::Queue(QueueError::CommitOutcomeUnknown {
+            source: KafkaError::Flush(RDKafkaErrorCode::Fenced),
+            ids: Vec::new(),
+        });
+        for _ in 1..FENCED_IN_A_ROW_LIMIT {
+            assert_eq!(count.session_ended(&fenced_commit, quick), None);
+        }
+        assert!(count.session_ended(&fenced_commit, quick).is_some());
     }
 
     #[test]

@@ -11,8 +11,11 @@
 //!
 //! A template is accepted when:
 //! 1. it is not empty and at most [`MAX_TEMPLATE_BYTES`] bytes long;
-//! 2. it starts with `reports/`: retention and the take-over sweep look for
-//!    documents only there;
+//! 2. it starts with `reports/{stream}/`: a stream's documents stay in its
+//!    own space, the folder named after it where retention and the take-over
+//!    sweep look, and where whoever reads the bucket by prefix (Athena,
+//!    Spark, a token scoped to a stream prefix) finds that stream's reports
+//!    and no other's (checked after the syntax, so a typo is named first);
 //! 3. it ends with `.xml`, or `.xml.gz` when the definition stores gzip: the
 //!    extension is how readers tell a document's media type;
 //! 4. its placeholders are `{name}` with `name` one of [`PLACEHOLDERS`]; an
@@ -27,7 +30,13 @@
 //! 7. no path segment is empty (`//`), `.` or `..`, which tools and clients
 //!    collapse or resolve, so such a key could not be addressed as written
 //!    (a placeholder counts as content: none renders empty);
-//! 8. the longest key it can render, with a stream name of
+//! 8. its file name (after the last `/`) is exactly
+//!    `{partition}-{first_offset}.xml` (`.xml.gz`), or one that can never
+//!    render to `{5 digits}-{20 digits}.xml` (`.xml.gz`): that shape is how
+//!    the take-over sweep knows a document's partition
+//!    (`layout::report_key_belongs_to`), so no other file name may wear it
+//!    (see [`could_look_like_a_partition_file`]);
+//! 9. the longest key it can render, with a stream name of
 //!    [`StreamName::MAX_LENGTH`] bytes and the other placeholders at their
 //!    fixed widths, fits in S3's 1024 bytes.
 //!
@@ -39,6 +48,13 @@ use std::fmt;
 
 use crate::StreamName;
 use crate::layout::REPORTS_PREFIX;
+
+mod file_name;
+use file_name::could_look_like_a_partition_file;
+
+/// What every template starts with: a stream's documents stay under its own
+/// name (rule 2 of the module's documentation).
+pub const STREAM_SPACE_PREFIX: &str = "reports/{stream}/";
 
 /// The placeholders a template may use.
 pub const PLACEHOLDERS: [&str; 7] = [
@@ -68,9 +84,9 @@ pub enum TemplateError {
     #[error("key_template is {length} bytes long; at most {MAX_TEMPLATE_BYTES} are allowed")]
     TooLong { length: usize },
     #[error(
-        "key_template must start with {REPORTS_PREFIX} (retention and the take-over sweep look for documents only under {REPORTS_PREFIX})"
+        "key_template must start with {STREAM_SPACE_PREFIX}: a stream's documents stay in its own space under {REPORTS_PREFIX}, where retention and the take-over sweep look, and where nobody reading another stream's prefix takes them for that stream's"
     )]
-    OutsideReports,
+    OutsideStreamSpace,
     #[error(
         "key_template must end with {}, since the definition has gzip: {gzip}",
         extension(*.gzip)
@@ -109,6 +125,12 @@ pub enum TemplateError {
         "key_template has the path segment {segment:?} at offset {at}; segments \".\" and \"..\" are resolved away by many clients, so such keys could not be addressed"
     )]
     DotSegment { segment: &'static str, at: usize },
+    #[error(
+        "key_template has the file name {file_name:?}, which could render as {{5 digits}}-{{20 digits}}{}, the name the take-over sweep reads a document's partition from; end the template with {{partition}}-{{first_offset}}{} or a file name that cannot look like it (one starting with a letter, say)",
+        extension(*.gzip),
+        extension(*.gzip)
+    )]
+    LooksLikeAPartitionFile { file_name: String, gzip: bool },
     #[error(
         "key_template can render keys of up to {longest} bytes (with a stream name of {} bytes); S3 keys are at most {MAX_KEY_BYTES}",
         StreamName::MAX_LENGTH
@@ -156,13 +178,6 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
             length: template.len(),
         });
     }
-    if !template.starts_with(REPORTS_PREFIX) {
-        return Err(TemplateError::OutsideReports);
-    }
-    if !template.ends_with(extension(gzip)) {
-        return Err(TemplateError::WrongExtension { gzip });
-    }
-
     let mut has_partition = false;
     let mut has_first_offset = false;
     let mut longest = 0;
@@ -195,6 +210,12 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
     }
     segment.close(template.len())?;
 
+    if !template.starts_with(STREAM_SPACE_PREFIX) {
+        return Err(TemplateError::OutsideStreamSpace);
+    }
+    if !template.ends_with(extension(gzip)) {
+        return Err(TemplateError::WrongExtension { gzip });
+    }
     let missing = match (has_partition, has_first_offset) {
         (true, true) => None,
         (false, true) => Some("{partition}"),
@@ -203,6 +224,17 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
     };
     if let Some(missing) = missing {
         return Err(TemplateError::MissingPlaceholder { missing });
+    }
+    let file_name = template
+        .rsplit_once('/')
+        .map_or(template, |(_, file_name)| file_name);
+    if file_name != format!("{{partition}}-{{first_offset}}{}", extension(gzip))
+        && could_look_like_a_partition_file(file_name)
+    {
+        return Err(TemplateError::LooksLikeAPartitionFile {
+            file_name: file_name.to_owned(),
+            gzip,
+        });
     }
     if longest > MAX_KEY_BYTES {
         return Err(TemplateError::KeyTooLong { longest });
@@ -425,7 +457,7 @@ mod tests {
     }
 
     /// The template's error, checking its message names `needle`.
-    fn refused(template: &str, gzip: bool, needle: &str) -> TemplateError {
+    pub(super) fn refused(template: &str, gzip: bool, needle: &str) -> TemplateError {
         let error = validate(template, gzip).expect_err(template);
         let message = error.to_string();
         assert!(message.starts_with("key_template "), "{message}");
@@ -474,7 +506,7 @@ mod tests {
     fn empty_and_overlong_templates_are_refused() {
         assert_eq!(refused("", false, "empty"), TemplateError::Empty);
         let long = format!(
-            "reports/{}/{{partition}}-{{first_offset}}.xml",
+            "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
             "a".repeat(MAX_TEMPLATE_BYTES)
         );
         assert_eq!(
@@ -482,38 +514,52 @@ mod tests {
             TemplateError::TooLong { length: long.len() }
         );
         let longest = format!(
-            "reports/{}/{{partition}}-{{first_offset}}.xml",
-            "a".repeat(MAX_TEMPLATE_BYTES - 39)
+            "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
+            "a".repeat(MAX_TEMPLATE_BYTES - 48)
         );
         assert_eq!(longest.len(), MAX_TEMPLATE_BYTES);
         assert_eq!(validate(&longest, false), Ok(()));
     }
 
     #[test]
-    fn templates_outside_reports_are_refused() {
+    fn templates_outside_their_streams_space_are_refused() {
         for template in [
             "{stream}/{partition}-{first_offset}.xml",
             "report/{partition}-{first_offset}.xml",
-            "/reports/{partition}-{first_offset}.xml",
             "Reports/{partition}-{first_offset}.xml",
             "manifests/{partition}-{first_offset}.xml",
+            // Under reports/, but not in the stream's own folder: another
+            // stream's name, a shared folder, the stream further down, or
+            // the stream's name as a mere part of the first segment.
+            "reports/orders/{partition}-{first_offset}.xml",
+            "reports/orders/{stream}/{partition}-{first_offset}.xml",
+            "reports/{partition}-{first_offset}.xml",
+            "reports/{yyyy}/{stream}/{partition}-{first_offset}.xml",
+            "reports/x{stream}/{partition}-{first_offset}.xml",
+            "reports/{stream}x/{partition}-{first_offset}.xml",
+            "reports/{stream}{stream}/{partition}-{first_offset}.xml",
+            "reports/{stream}-{partition}-{first_offset}.xml",
         ] {
             assert_eq!(
-                refused(template, false, "must start with reports/"),
-                TemplateError::OutsideReports
+                refused(template, false, "must start with reports/{stream}/"),
+                TemplateError::OutsideStreamSpace,
+                "{template}"
             );
         }
-        assert!(
-            TemplateError::OutsideReports
-                .to_string()
-                .contains("take-over sweep")
+        // A leading '/' is an empty first segment, named as such.
+        assert_eq!(
+            validate("/reports/{stream}/{partition}-{first_offset}.xml", false),
+            Err(TemplateError::EmptySegment { at: 0 })
         );
+        let message = TemplateError::OutsideStreamSpace.to_string();
+        assert!(message.contains("take-over sweep"), "{message}");
+        assert!(message.contains("own space"), "{message}");
     }
 
     #[test]
     fn the_extension_follows_gzip() {
-        let plain = "reports/{partition}-{first_offset}.xml";
-        let compressed = "reports/{partition}-{first_offset}.xml.gz";
+        let plain = "reports/{stream}/{partition}-{first_offset}.xml";
+        let compressed = "reports/{stream}/{partition}-{first_offset}.xml.gz";
         assert_eq!(validate(plain, false), Ok(()));
         assert_eq!(validate(compressed, true), Ok(()));
         assert_eq!(
@@ -525,10 +571,10 @@ mod tests {
             TemplateError::WrongExtension { gzip: false }
         );
         for template in [
-            "reports/{partition}-{first_offset}",
-            "reports/{partition}-{first_offset}.json",
-            "reports/{partition}-{first_offset}.XML",
-            "reports/{partition}-{first_offset}/",
+            "reports/{stream}/{partition}-{first_offset}",
+            "reports/{stream}/{partition}-{first_offset}.json",
+            "reports/{stream}/{partition}-{first_offset}.XML",
+            "reports/{stream}/{partition}-{first_offset}.xml/x",
         ] {
             assert_eq!(
                 refused(template, false, "gzip: false"),
@@ -645,7 +691,7 @@ mod tests {
         assert!(error.to_string().contains("unique"), "{error}");
         // Written as plain text, they are not placeholders.
         refused(
-            "reports/partition-first_offset.xml",
+            "reports/{stream}/partition-first_offset.xml",
             false,
             "must contain {partition}",
         );
@@ -672,7 +718,7 @@ mod tests {
             false,
             "contains ' ' at offset 9; outside placeholders only",
         );
-        let every_allowed = "reports/AZaz09_-=.x/{partition}-{first_offset}.xml";
+        let every_allowed = "reports/{stream}/AZaz09_-=.x/{partition}-{first_offset}.xml";
         assert_eq!(validate(every_allowed, false), Ok(()));
     }
 
@@ -714,10 +760,10 @@ mod tests {
         );
         // Dots beside other content, or placeholders, make a proper segment.
         for template in [
-            "reports/.{stream}/{partition}-{first_offset}.xml",
-            "reports/..{yyyy}/{partition}-{first_offset}.xml",
-            "reports/v1.2/{partition}-{first_offset}.xml",
-            "reports/.../{partition}-{first_offset}.xml",
+            "reports/{stream}/.{stream}/{partition}-{first_offset}.xml",
+            "reports/{stream}/..{yyyy}/{partition}-{first_offset}.xml",
+            "reports/{stream}/v1.2/{partition}-{first_offset}.xml",
+            "reports/{stream}/.../{partition}-{first_offset}.xml",
             "reports/{stream}/{partition}/{first_offset}.xml",
         ] {
             assert_eq!(validate(template, false), Ok(()), "{template}");
@@ -726,32 +772,32 @@ mod tests {
 
     #[test]
     fn keys_longer_than_s3_allows_are_refused() {
-        // Eight stream names: 8 + 8 * 128 + 5 + 1 + 20 + 4 bytes.
+        // Eight stream names: 8 + 128 + 1 + 7 * 128 + 1 + 5 + 1 + 20 + 4 bytes.
         let template = format!(
-            "reports/{}{{partition}}-{{first_offset}}.xml",
-            "{stream}".repeat(8)
-        );
-        assert_eq!(
-            refused(&template, false, "1062 bytes"),
-            TemplateError::KeyTooLong { longest: 1062 }
-        );
-        // Seven fit: 934 bytes.
-        let template = format!(
-            "reports/{}{{partition}}-{{first_offset}}.xml",
+            "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
             "{stream}".repeat(7)
         );
-        assert_eq!(validate(&template, false), Ok(()));
-        // Exactly 1024 bytes: seven streams and 90 more literal bytes.
+        assert_eq!(
+            refused(&template, false, "1064 bytes"),
+            TemplateError::KeyTooLong { longest: 1064 }
+        );
+        // Seven fit: 936 bytes.
         let template = format!(
-            "reports/{}{}{{partition}}-{{first_offset}}.xml",
-            "{stream}".repeat(7),
-            "a".repeat(90)
+            "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(6)
+        );
+        assert_eq!(validate(&template, false), Ok(()));
+        // Exactly 1024 bytes: seven streams and 88 more literal bytes.
+        let template = format!(
+            "reports/{{stream}}/{}{}/{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(6),
+            "a".repeat(88)
         );
         assert_eq!(validate(&template, false), Ok(()));
         let template = format!(
-            "reports/{}{}{{partition}}-{{first_offset}}.xml",
-            "{stream}".repeat(7),
-            "a".repeat(91)
+            "reports/{{stream}}/{}{}/{{partition}}-{{first_offset}}.xml",
+            "{stream}".repeat(6),
+            "a".repeat(89)
         );
         assert_eq!(
             refused(&template, false, "S3 keys are at most 1024"),

@@ -88,8 +88,11 @@ pub fn log_registry_key(topic: &str) -> Option<String> {
 
 /// A document's S3 key under its definition: the definition's
 /// `key_template` rendered with `hour` (the window's start in its zone, or
-/// the first message's log time in UTC), or [`report_key`]; a log other
-/// than the first puts its tag before the extension.
+/// the first message's log time in UTC), or [`report_key`]. A template the
+/// rules of [`key_template::validate`] refuse (one an older release
+/// accepted, kept in a watermark) is not rendered: its document takes the
+/// default key, so it stays in its stream's space. A log other than the
+/// first puts its tag before the extension.
 pub fn document_key(
     stream: &StreamName,
     partition: i32,
@@ -99,7 +102,7 @@ pub fn document_key(
     log: Option<&LogTag>,
 ) -> String {
     match &definition.key_template {
-        Some(template) => tagged(
+        Some(template) if key_template::validate(template, definition.gzip).is_ok() => tagged(
             key_template::render(
                 template,
                 &KeyParts {
@@ -114,7 +117,7 @@ pub fn document_key(
             ),
             log,
         ),
-        None => report_key(stream, partition, first_offset, definition.gzip, log),
+        _ => report_key(stream, partition, first_offset, definition.gzip, log),
     }
 }
 
@@ -132,16 +135,66 @@ fn tagged(key: String, log: Option<&LogTag>) -> String {
 }
 
 /// Whether `key` is a document of record partition `partition` (of any
-/// stream): what a worker taking the partition sweeps.
+/// stream): what a worker taking the partition sweeps. Strict, because
+/// aborting an upload that is not the partition's kills a live document of
+/// another owner: the key must be
+/// `reports/{stream}/[{segment}/...]{partition:05}-{20 digits}.xml` (or
+/// `.xml.gz`), with a valid stream name as its first segment, no empty
+/// segment, and the file name exactly that, nothing before or after but a
+/// later log's `~{tag}` (12 lowercase hex digits) before the extension:
+/// quire alone puts a `~` in a key (no template and no stream name holds
+/// one).
+///
+/// Why a key of that shape proves its partition, whatever definitions the
+/// streams have (the argument rests on `key_template::validate`, which both
+/// the API and the worker apply to every template):
+/// - every template starts with `reports/{stream}/`, and a stream name holds
+///   no `/`, so a document's first segment is its own stream's name: no
+///   template places a document in another stream's folder, or in a folder
+///   that is no stream's;
+/// - a template's file name is either exactly `{partition}-{first_offset}`
+///   with the extension, which renders the document's own partition, or one
+///   that no stream name and no placeholder value can render into this
+///   shape (rule 8 there), so it is never taken for any partition's. Such a
+///   document's leftover upload is aborted when its document opens again,
+///   on its exact key (`OpenDocument::open` in the worker);
+/// - a definition in the log that an older release accepted and these rules
+///   refuse is a dead letter to the worker, and [`document_key`] does not
+///   render such a template should one come back with a watermark.
+///
+/// What remains is what no key can tell: an object written under `reports/`
+/// by something other than quire, in this shape, is taken as partition
+/// `partition`'s; quire's bucket is quire's.
 pub fn report_key_belongs_to(key: &str, partition: i32) -> bool {
     let Some(rest) = key.strip_prefix(REPORTS_PREFIX) else {
         return false;
     };
-    let Some((_stream, file)) = rest.rsplit_once('/') else {
+    let Some((stream, below_stream)) = rest.split_once('/') else {
         return false;
     };
-    file.strip_prefix(&format!("{partition:05}-"))
-        .is_some_and(|tail| tail.len() > 20 && tail.as_bytes()[..20].iter().all(u8::is_ascii_digit))
+    if StreamName::new(stream).is_err() || below_stream.split('/').any(str::is_empty) {
+        return false;
+    }
+    let file_name = below_stream
+        .rsplit_once('/')
+        .map_or(below_stream, |(_, file_name)| file_name);
+    let Some(stem) = file_name
+        .strip_suffix(".xml")
+        .or_else(|| file_name.strip_suffix(".xml.gz"))
+    else {
+        return false;
+    };
+    let stem = match stem.split_once('~') {
+        Some((stem, tag)) if tag.parse::<LogTag>().is_ok() => stem,
+        Some(_) => return false,
+        None => stem,
+    };
+    let Some((named_partition, offset)) = stem.split_once('-') else {
+        return false;
+    };
+    named_partition == format!("{partition:05}")
+        && offset.len() == 20
+        && offset.bytes().all(|byte| byte.is_ascii_digit())
 }
 
 /// Where a report's manifest lives.
@@ -262,7 +315,7 @@ mod tests {
     }
 
     #[test]
-    fn a_later_log_tags_templated_keys_before_their_extension() {
+    fn a_later_log_tags_its_keys_before_their_extension_and_still_owns_them() {
         let tag = LogTag::of("later");
         assert_eq!(
             tagged("reports/o/dt=2026/00001-x.xml".into(), Some(&tag)),
@@ -273,6 +326,20 @@ mod tests {
             format!("reports/o/x~{tag}.xml.gz")
         );
         assert_eq!(tagged("reports/o/x.xml".into(), None), "reports/o/x.xml");
+        let stream = StreamName::new("a.b-c").unwrap();
+        let later = report_key(&stream, 7, 12, true, Some(&tag));
+        assert!(later.ends_with(&format!("00007-00000000000000000012~{tag}.xml.gz")));
+        assert!(report_key_belongs_to(&later, 7));
+        assert!(!report_key_belongs_to(&later, 8));
+        let offset = "00000000000000000012";
+        for bad in [
+            format!("reports/a/00007-{offset}~.xml"),
+            format!("reports/a/00007-{offset}~ABCDEF012345.xml"),
+            format!("reports/a/00007-{offset}~{tag}~{tag}.xml"),
+            format!("reports/a/00007~{tag}-{offset}.xml"),
+        ] {
+            assert!(!report_key_belongs_to(&bad, 7), "{bad}");
+        }
         assert_eq!(
             log_registry_key("quire.records").as_deref(),
             Some("logs/quire.records.json")
@@ -280,6 +347,73 @@ mod tests {
         for bad in ["", "..", "a/b", "a b", &"x".repeat(250)] {
             assert_eq!(log_registry_key(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn only_a_key_of_the_exact_shape_belongs_to_a_partition() {
+        let offset = "00000000000000000012";
+        for key in [
+            format!("reports/orders/00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.xml.gz"),
+            format!("reports/orders/dt=2026-03-29/hh=05/00007-{offset}.xml"),
+            format!("reports/a.b-c_d/x/00007-{offset}.xml.gz"),
+        ] {
+            assert!(report_key_belongs_to(&key, 7), "{key}");
+            assert!(!report_key_belongs_to(&key, 8), "{key}");
+        }
+        for key in [
+            // Something before or after the file name's shape.
+            format!("reports/orders/x00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}0.xml"),
+            format!("reports/orders/00007-{offset}.xml.bak"),
+            format!("reports/orders/00007-{offset}.xml.gz.tmp"),
+            format!("reports/orders/00007-{offset}-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.json"),
+            format!("reports/orders/00007-{offset}"),
+            "reports/orders/00007-0000000000000000012.xml".to_owned(),
+            format!("reports/orders/0007-{offset}.xml"),
+            format!("reports/orders/00007_{offset}.xml"),
+            // Not in a stream's space.
+            format!("reports/00007-{offset}.xml"),
+            format!("reports/-bad/00007-{offset}.xml"),
+            format!("reports/not~a~stream/00007-{offset}.xml"),
+            format!("reports/orders//00007-{offset}.xml"),
+            format!("reports//orders/00007-{offset}.xml"),
+            format!("Reports/orders/00007-{offset}.xml"),
+            format!("windows/orders/00007-{offset}.xml"),
+            format!("reports/orders/00007-{offset}.xml/"),
+        ] {
+            assert!(!report_key_belongs_to(&key, 7), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_template_the_rules_refuse_renders_the_default_key() {
+        let stream = StreamName::new("evil-x").unwrap();
+        let hour = CivilHour {
+            year: 2026,
+            month: 3,
+            day: 29,
+            hour: 5,
+        };
+        let hostile = Definition {
+            key_template: Some("reports/orders/{partition}-{first_offset}.xml".to_owned()),
+            ..Definition::default()
+        };
+        assert_eq!(
+            document_key(&stream, 3, 42, &hostile, hour, None),
+            report_key(&stream, 3, 42, false, None)
+        );
+        let hive = Definition {
+            key_template: Some(
+                "reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml".to_owned(),
+            ),
+            ..Definition::default()
+        };
+        assert_eq!(
+            document_key(&stream, 3, 42, &hive, hour, None),
+            "reports/evil-x/dt=2026-03-29/00003-00000000000000000042.xml"
+        );
     }
 
     #[test]

@@ -216,6 +216,16 @@ pub struct Manifest {
     pub bytes: u64,
     /// SHA-256 of the stored object, as downloaded (lowercase hex).
     pub sha256: String,
+    /// The stored object's ETag, as S3 answered its upload (with its
+    /// quotes): what the API compares the object at `key` against before it
+    /// serves this manifest, since a replay of the log that cut elsewhere
+    /// (after a crash and a changed rollover setting) writes other bytes to
+    /// the same key. The same bytes in the same parts give the same ETag on
+    /// servers whose ETags are MD5s (versitygw; S3 without SSE-KMS), so a
+    /// replay of the same cut writes the same manifest. Absent in manifests
+    /// of earlier releases (then the size alone is compared).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e_tag: Option<String>,
     /// Size of the XML before compression; only for gzip reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uncompressed_bytes: Option<u64>,

@@ -1,5 +1,6 @@
 //! Topic creation and the start-up check that topics are what DESIGN.md says.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use quire_config::{KafkaSettings, TopicNames};
@@ -300,6 +301,30 @@ pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Resu
         }
     }
     Ok(())
+}
+
+/// The live settings of `topic` as the brokers describe them (name ->
+/// value; settings without a value are left out): what a service checks its
+/// own configuration against at start-up.
+pub async fn topic_config(
+    settings: &KafkaSettings,
+    topic: &str,
+) -> Result<BTreeMap<String, String>, QueueError> {
+    let admin = admin_client(settings)?;
+    let described = admin
+        .describe_configs(&[ResourceSpecifier::Topic(topic)], &options(settings))
+        .await
+        .map_err(|error| QueueError::Admin(error.to_string()))?;
+    let config = described
+        .into_iter()
+        .next()
+        .ok_or_else(|| QueueError::Admin(format!("describing topic {topic}: no answer")))?
+        .map_err(|code| QueueError::TopicMismatch(format!("describing topic {topic}: {code}")))?;
+    Ok(config
+        .entries
+        .into_iter()
+        .filter_map(|entry| entry.value.map(|value| (entry.name, value)))
+        .collect())
 }
 
 /// Whether a numeric topic setting is at most its bound; an unreadable value

@@ -22,9 +22,10 @@ pub enum QueueError {
     )]
     GroupRefused(KafkaError),
 
-    #[error(
-        "kafka producer hit a fatal error (fenced by a newer instance or unusable); it must be recreated: {0}"
-    )]
+    /// Fenced by a newer instance of its transactional id, or unusable for
+    /// another reason (an abort that did not finish, an authorization the
+    /// broker refuses): [`QueueError::is_fencing`] tells which.
+    #[error("kafka producer hit a fatal error and must be recreated: {0}")]
     ProducerFatal(KafkaError),
 
     #[error(
@@ -75,6 +76,22 @@ pub enum QueueError {
 }
 
 impl QueueError {
+    /// Whether the producer was fenced: another producer with the same
+    /// transactional id started (`init_transactions` bumped the epoch), so
+    /// the broker answers this one PRODUCER_FENCED or INVALID_PRODUCER_EPOCH
+    /// (librdkafka reports both as its own `_FENCED`). Told by the librdkafka
+    /// error code, wherever the fencing surfaced: a fatal error, or a commit
+    /// whose outcome it left unknown. Other fatal errors (a producer marked
+    /// unusable after an abort that did not finish, an authorization
+    /// refused) are not fencings.
+    pub fn is_fencing(&self) -> bool {
+        match self {
+            QueueError::ProducerFatal(error) => is_fencing_error(error),
+            QueueError::CommitOutcomeUnknown { source, .. } => is_fencing_error(source),
+            _ => false,
+        }
+    }
+
     /// A client that could not be created. librdkafka's configuration
     /// error quotes the refused value; a secret property's value (a SASL
     /// or SSL password, a key) is replaced by `[redacted]` before the error
@@ -97,6 +114,20 @@ impl From<tokio::task::JoinError> for QueueError {
     }
 }
 
+/// Whether librdkafka's error says a newer producer with the same
+/// transactional id fenced this one.
+pub fn is_fencing_error(error: &KafkaError) -> bool {
+    use rdkafka::error::RDKafkaErrorCode;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::Fenced
+                | RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+        )
+    )
+}
+
 /// Errors librdkafka recovers from by itself (broker restarts, leader
 /// moves). A client polled after the brokers came back may still hand out
 /// such an error event queued while they were away: a stale event, not a
@@ -116,6 +147,55 @@ pub fn is_transient(error: &KafkaError) -> bool {
                 | RDKafkaErrorCode::Resolve
         )
     )
+}
+
+#[cfg(test)]
+mod fencing_tests {
+    use rdkafka::error::RDKafkaErrorCode;
+
+    use super::*;
+
+    #[test]
+    fn only_a_fencing_code_is_a_fencing() {
+        for code in [
+            RDKafkaErrorCode::Fenced,
+            RDKafkaErrorCode::ProducerFenced,
+            RDKafkaErrorCode::InvalidProducerEpoch,
+        ] {
+            assert!(QueueError::ProducerFatal(KafkaError::MessageProduction(code)).is_fencing());
+            assert!(
+                QueueError::CommitOutcomeUnknown {
+                    source: KafkaError::Flush(code),
+                    ids: Vec::new(),
+                }
+                .is_fencing()
+            );
+            // Not fatal, not ours to count.
+            assert!(!QueueError::TransactionAborted(KafkaError::Flush(code)).is_fencing());
+        }
+        for code in [
+            // A producer marked unusable by quire (an abort that did not
+            // finish): librdkafka holds no fatal error of its own.
+            RDKafkaErrorCode::Fatal,
+            RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
+            RDKafkaErrorCode::ClusterAuthorizationFailed,
+            RDKafkaErrorCode::InvalidTransactionalState,
+            RDKafkaErrorCode::FencedLeaderEpoch,
+            RDKafkaErrorCode::OperationTimedOut,
+        ] {
+            assert!(
+                !QueueError::ProducerFatal(KafkaError::MessageProduction(code)).is_fencing(),
+                "{code:?}"
+            );
+        }
+        assert!(
+            !QueueError::CommitOutcomeUnknown {
+                source: KafkaError::Canceled,
+                ids: Vec::new(),
+            }
+            .is_fencing()
+        );
+    }
 }
 
 #[cfg(test)]

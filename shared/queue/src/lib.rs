@@ -32,8 +32,8 @@ mod reader;
 mod tail;
 
 pub use admin::{
-    DEFAULT_PARTITIONS, TopicSpec, WATERMARK_COMPACTION, check_topics, delete_topics,
-    design_topics, ensure_topics, grow_topic,
+    DEFAULT_PARTITIONS, IDEMPOTENCY_RETENTION_MS, TopicSpec, WATERMARK_COMPACTION, check_topics,
+    delete_topics, design_topics, ensure_topics, grow_topic, topic_config,
 };
 pub use client::PROTECTED_PROPERTIES;
 pub use consumer::{
@@ -42,7 +42,7 @@ pub use consumer::{
 };
 pub use context::{PartitionProgress, RebalanceEvent};
 pub use describe::{TopicIdentity, describe_topic, describe_topic_blocking, partition_for_key};
-pub use error::{QueueError, is_transient};
+pub use error::{QueueError, is_fencing_error, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
 pub use message::{InMessage, MessageId, OutMessage};
 pub use plain::send_acknowledged;

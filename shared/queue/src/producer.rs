@@ -420,9 +420,7 @@ impl Inner {
         let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
         self.finish_pending_abort();
         if self.fatal.load(Ordering::Acquire) {
-            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
-                RDKafkaErrorCode::Fatal,
-            )));
+            return Err(self.fatal_error());
         }
         self.release_locked()?;
         self.transact_locked(messages, offsets, None, self.ordinary_budget(), false)
@@ -436,9 +434,7 @@ impl Inner {
         let _one_transaction_at_a_time = self.transaction_lock.lock().expect("transaction lock");
         self.finish_pending_abort();
         if self.fatal.load(Ordering::Acquire) {
-            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
-                RDKafkaErrorCode::Fatal,
-            )));
+            return Err(self.fatal_error());
         }
         self.release_locked()?;
         self.transact_locked(messages, None, followers, self.ordinary_budget(), true)
@@ -486,9 +482,7 @@ impl Inner {
             return Ok(());
         }
         if self.fatal.load(Ordering::Acquire) {
-            return Err(QueueError::ProducerFatal(KafkaError::MessageProduction(
-                RDKafkaErrorCode::Fatal,
-            )));
+            return Err(self.fatal_error());
         }
         let by_twin = self.release_for_cause();
         // Cleared before, so a disconnection during the release asks again.
@@ -965,7 +959,11 @@ impl Inner {
                     return Err(error);
                 }
                 Err(error) => {
-                    self.classify(error.clone());
+                    // A fatal error is reported by its cause (a fencing, say).
+                    let error = match self.classify(error.clone()) {
+                        QueueError::ProducerFatal(cause) => cause,
+                        _ => error,
+                    };
                     self.mark_unusable("commit outcome unknown", &error);
                     tracing::error!(
                         transactional_id = %self.transactional_id,
@@ -981,19 +979,52 @@ impl Inner {
         }
     }
 
-    /// Maps a librdkafka error to ours, remembering fatal ones.
+    /// Maps a librdkafka error to ours, remembering fatal ones. librdkafka
+    /// hands a fatal error to each call as its generic `_FATAL` code; the
+    /// error that made the producer fatal (`_FENCED` for a fencing, or an
+    /// authorization refused...) is kept by the client, and is what the
+    /// caller gets, so that a fencing can be told from the rest
+    /// ([`QueueError::is_fencing`]).
     fn classify(&self, error: KafkaError) -> QueueError {
         let fatal = match &error {
             KafkaError::Transaction(transaction_error) => transaction_error.is_fatal(),
             other => other.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal),
         };
-        if fatal {
-            self.fatal.store(true, Ordering::Release);
-            tracing::error!(transactional_id = %self.transactional_id, error = %error, "producer is fenced or unusable");
-            QueueError::ProducerFatal(error)
-        } else {
-            QueueError::TransactionAborted(error)
+        if !fatal {
+            return QueueError::TransactionAborted(error);
         }
+        self.fatal.store(true, Ordering::Release);
+        let cause = self.producer().client().fatal_error();
+        let fenced = crate::is_fencing_error(&error)
+            || cause.as_ref().is_some_and(|(code, _)| {
+                crate::is_fencing_error(&KafkaError::MessageProduction(*code))
+            });
+        tracing::error!(
+            transactional_id = %self.transactional_id,
+            error = %error,
+            cause = ?cause,
+            fenced,
+            "producer hit a fatal error"
+        );
+        match cause {
+            Some((code, _)) if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) => {
+                QueueError::ProducerFatal(KafkaError::MessageProduction(code))
+            }
+            _ => QueueError::ProducerFatal(error),
+        }
+    }
+
+    /// What a call on a producer already fatal answers: the error librdkafka
+    /// keeps as the cause (see [`classify`](Self::classify)), or the generic
+    /// `_FATAL` when quire marked it unusable itself (an abort that did not
+    /// finish), which no fencing caused.
+    fn fatal_error(&self) -> QueueError {
+        let code = self
+            .producer()
+            .client()
+            .fatal_error()
+            .map_or(RDKafkaErrorCode::Fatal, |(code, _)| code);
+        QueueError::ProducerFatal(KafkaError::MessageProduction(code))
     }
 }
 

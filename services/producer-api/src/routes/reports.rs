@@ -15,6 +15,7 @@ use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::log_reader::CutLookup;
 use crate::routes::{ReportPath, StreamPath};
 use crate::state::AppState;
+use crate::storage::{DocumentCheck, OpenedDocument};
 
 /// Where a report stands. `report.failed` may join later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -138,26 +139,100 @@ pub async fn get_report(
     Ok(Json(report_state(&state, id).await?))
 }
 
-/// Completed if its manifest is in the bucket; otherwise pending if the log
-/// holds its cut marker; otherwise never issued (404). The manifest is
-/// looked at first: it answers completed reports without Kafka, also after
-/// retention deleted their marker.
+/// What the bucket holds of a report: its manifest, checked against the
+/// object at the manifest's key.
+enum Stored {
+    /// A manifest that describes the object at its key.
+    Completed(Manifest),
+    NoManifest,
+    /// A manifest whose object is gone (retention deletes documents before
+    /// manifests).
+    DocumentGone(Manifest),
+    /// A manifest whose key holds another object: never served.
+    Superseded,
+}
+
+async fn stored(state: &AppState, id: &ReportId) -> Result<Stored, ApiError> {
+    let Some(manifest) = state.storage.manifest(id).await? else {
+        return Ok(Stored::NoManifest);
+    };
+    Ok(match state.storage.check_document(&manifest).await? {
+        DocumentCheck::Described => Stored::Completed(manifest),
+        DocumentCheck::Missing => Stored::DocumentGone(manifest),
+        DocumentCheck::Replaced { bytes, e_tag } => {
+            warn_superseded(id, &manifest, bytes, e_tag.as_deref());
+            Stored::Superseded
+        }
+    })
+}
+
+/// A manifest that is not served, in the log: what it says and what was found.
+fn warn_superseded(id: &ReportId, manifest: &Manifest, bytes: Option<i64>, e_tag: Option<&str>) {
+    tracing::warn!(
+        report_id = %id,
+        key = %manifest.key,
+        manifest_bytes = manifest.bytes,
+        manifest_e_tag = ?manifest.e_tag,
+        found_bytes = ?bytes,
+        found_e_tag = ?e_tag,
+        "manifest describes an object its key no longer holds (a replay cut the log elsewhere); not served"
+    );
+}
+
+/// Where a report stands:
+/// - completed: its manifest describes the object at its key (one GET of
+///   the manifest, one HEAD of the document; no Kafka);
+/// - 410 `report_content_gone`: the manifest is there, its document is not;
+/// - pending: no manifest describes it, the log holds its cut marker, and
+///   the stream's watermark has not reached the marker (`reported.rs`);
+/// - 410 `report_expired`: no manifest, but the watermark has passed the
+///   marker, so the report was completed and retention deleted it;
+/// - 410 `report_superseded`: a manifest names it, but its key holds
+///   another document (a replay that cut elsewhere) and nothing will
+///   complete it again;
+/// - 404: never issued.
 async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiError> {
-    if let Some(manifest) = state.storage.manifest(&id).await? {
-        return Ok(ReportView::completed(id, manifest));
-    }
+    let superseded = match stored(state, &id).await? {
+        Stored::Completed(manifest) => return Ok(ReportView::completed(id, manifest)),
+        Stored::DocumentGone(manifest) => return Err(content_gone(&id, manifest)),
+        Stored::Superseded => true,
+        Stored::NoManifest => false,
+    };
     // An id of another log (the records topic was deleted and created
     // again since) names a position in a log that is gone: never read the
     // new log there.
-    if !state.placement.identity()?.names_this_log(id.log.as_ref()) {
+    let log = state.placement.identity()?;
+    if !log.names_this_log(id.log.as_ref()) {
         return Err(ApiError::ReportLogGone { id: id.to_string() });
     }
     match state.log.find_cut(&id).await? {
-        CutLookup::Issued => Ok(ReportView::pending(id)),
+        // Not reported yet. A marker's superseded manifest is rewritten by
+        // the replay when it reports the marker.
+        CutLookup::Issued if !state.reported.is_reported(&id, &log).await => {
+            Ok(ReportView::pending(id))
+        }
+        // Reported, and no manifest described it: unless one was written
+        // between the first look and the watermark, retention deleted it.
+        CutLookup::Issued => match stored(state, &id).await? {
+            Stored::Completed(manifest) => Ok(ReportView::completed(id, manifest)),
+            Stored::DocumentGone(manifest) => Err(content_gone(&id, manifest)),
+            Stored::Superseded => Err(ApiError::ReportSuperseded { id: id.to_string() }),
+            Stored::NoManifest => Err(ApiError::ReportExpired { id: id.to_string() }),
+        },
+        CutLookup::NotIssued(_) if superseded => {
+            Err(ApiError::ReportSuperseded { id: id.to_string() })
+        }
         CutLookup::NotIssued(reason) => Err(ApiError::ReportNotFound {
             id: id.to_string(),
             reason,
         }),
+    }
+}
+
+fn content_gone(id: &ReportId, manifest: Manifest) -> ApiError {
+    ApiError::ReportContentGone {
+        id: id.to_string(),
+        key: manifest.key,
     }
 }
 
@@ -189,20 +264,15 @@ fn download_name(id: &ReportId, key: &str) -> String {
     format!("{id}.{extension}")
 }
 
-/// A presigned URL of a completed report's document, once the document is
-/// known to be there (410 otherwise, as for the content route).
+/// A presigned URL of a completed report's document (`manifest` comes from
+/// [`completed_manifest`], which checked that the object at its key is the
+/// one it describes; 410 otherwise, as for the content route).
 async fn download_url(
     state: &AppState,
     downloads: &crate::storage::DownloadUrls,
     id: &ReportId,
     manifest: &Manifest,
 ) -> Result<crate::storage::DownloadUrl, ApiError> {
-    if !state.storage.exists(&manifest.key).await? {
-        return Err(ApiError::ReportContentGone {
-            id: id.to_string(),
-            key: manifest.key.clone(),
-        });
-    }
     let content_type = quire_messages::layout::report_content_type(&manifest.key);
     let url = downloads
         .presign(
@@ -271,7 +341,7 @@ pub async fn get_report_content(
     query: Result<Query<ContentQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let Query(query) = query.map_err(|rejection| ApiError::InvalidQuery(rejection.body_text()))?;
-    let manifest = completed_manifest(&state, id.clone()).await?;
+    let mut manifest = completed_manifest(&state, id.clone()).await?;
     if query.redirect == Some(true)
         && let Some(downloads) = state.downloads.as_ref()
     {
@@ -288,11 +358,26 @@ pub async fn get_report_content(
         }
         return Ok(response);
     }
-    let Some(object) = state.storage.open(&manifest.key).await? else {
-        return Err(ApiError::ReportContentGone {
-            id: id.to_string(),
-            key: manifest.key,
-        });
+    // Streamed only while it is the object the manifest describes (its
+    // ETag): replaced since the check, the report is looked at once more.
+    let mut looked_again = false;
+    let object = loop {
+        match state
+            .storage
+            .open_document(&manifest.key, manifest.e_tag.as_deref())
+            .await?
+        {
+            OpenedDocument::Object(object) => break object,
+            OpenedDocument::Missing => return Err(content_gone(&id, manifest)),
+            OpenedDocument::Replaced if !looked_again => {
+                looked_again = true;
+                manifest = completed_manifest(&state, id.clone()).await?;
+            }
+            OpenedDocument::Replaced => {
+                warn_superseded(&id, &manifest, None, None);
+                return Err(ApiError::ReportSuperseded { id: id.to_string() });
+            }
+        }
     };
     // A gzip report is served as the gzip file it is (`application/gzip`,
     // no Content-Encoding), so clients that decode Content-Encoding on their
@@ -364,7 +449,10 @@ pub struct ReportPage {
 
 /// `GET /v1/streams/{stream}/reports`: the stream's completed reports, from
 /// their manifests, a page at a time. Pending reports have no manifest yet
-/// and are not listed. Within a page, reports are in log order. With
+/// and are not listed; neither is a manifest whose key no longer holds the
+/// document it describes (deleted by retention, or replaced by a replay
+/// that cut elsewhere: one HEAD per manifest listed). Within a page, reports
+/// are in log order, and a page may hold fewer than `limit`. With
 /// `?window_start=`, only that window's reports, from the window index.
 pub async fn list_reports(
     State(state): State<AppState>,
@@ -393,11 +481,19 @@ pub async fn list_reports(
     let storage = &state.storage;
     let manifests: Vec<Option<Manifest>> = futures::stream::iter(page.keys)
         .map(|key| async move {
-            match storage.get_small(&key).await? {
-                Some(bytes) => storage.decode_manifest(&key, &bytes).map(Some),
+            let Some(bytes) = storage.get_small(&key).await? else {
                 // Listed, then deleted: skip it.
-                None => Ok(None),
-            }
+                return Ok::<_, crate::storage::StorageError>(None);
+            };
+            let manifest = storage.decode_manifest(&key, &bytes)?;
+            Ok(match storage.check_document(&manifest).await? {
+                DocumentCheck::Described => Some(manifest),
+                DocumentCheck::Missing => None,
+                DocumentCheck::Replaced { bytes, e_tag } => {
+                    warn_superseded(&manifest.report_id, &manifest, bytes, e_tag.as_deref());
+                    None
+                }
+            })
         })
         .buffered(MANIFEST_FETCHES)
         .try_collect()
