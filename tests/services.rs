@@ -445,12 +445,17 @@ impl Drop for WorkerProcess {
 }
 
 /// A release binary of the workspace (a service, the CLI), built beside the
-/// test binary (`target/release/deps/`) or the bench (`target/release/`).
+/// test binary (`target/release/deps/`) or the bench (`target/release/`);
+/// or, with `QUIRE_TEST_BINARY_DIR` set, the one in that directory: how a
+/// fault test is shown to fail against an earlier build's services.
 pub fn release_binary(name: &str) -> PathBuf {
     let running = std::env::current_exe().expect("test binary path");
     let mut directory = running.parent().expect("binary directory").to_path_buf();
     if directory.ends_with("deps") {
         directory.pop();
+    }
+    if let Some(other) = std::env::var_os("QUIRE_TEST_BINARY_DIR") {
+        directory = PathBuf::from(other);
     }
     let binary = directory.join(name);
     assert!(
