@@ -288,8 +288,20 @@ impl Launch {
 
 /// The `QUIRE_<SECTION>__<KEY>` variables that configure a service as
 /// `settings` does (lists joined with `,`; a pass-through Kafka property's
-/// dots as `_`, which `KafkaSettings::client_properties` turns back).
+/// dots as `_`, which `KafkaSettings::client_properties` turns back): only
+/// those that differ from the compiled-in defaults, so a service of an
+/// earlier build, which refuses keys it does not know, starts with what a
+/// test sets of the keys it knows (`QUIRE_TEST_BINARY_DIR`).
 pub fn environment_of(settings: &Settings) -> Vec<(String, String)> {
+    let defaults = every_variable_of(&quire_config::defaults());
+    every_variable_of(settings)
+        .into_iter()
+        .filter(|variable| !defaults.contains(variable))
+        .collect()
+}
+
+/// Every `QUIRE_` variable of `settings`, defaults included.
+fn every_variable_of(settings: &Settings) -> Vec<(String, String)> {
     fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, String)>) {
         match value {
             Value::Object(fields) => {
