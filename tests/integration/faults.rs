@@ -379,7 +379,7 @@ async fn kafka_stopped_and_restarted_mid_run_loses_and_doubles_nothing() {
 
 /// A record of about 1.6 KB: enough of them fill an 8 MiB part, so large
 /// documents are multipart uploads.
-fn padded_records(stream: &str, first: u64, count: u64) -> Vec<Value> {
+pub(crate) fn padded_records(stream: &str, first: u64, count: u64) -> Vec<Value> {
     (first..first + count)
         .map(|seq| json!({"stream": stream, "seq": seq, "pad": "p".repeat(1600)}))
         .collect()
@@ -539,7 +539,7 @@ async fn s3_errors_delays_resets_and_an_outage_damage_no_report_and_lose_nothing
 
 /// A message for the records topic with the headers the API would put on it
 /// (`quire-kind`, `quire-v`), or other ones.
-fn records_message(
+pub(crate) fn records_message(
     topic: &str,
     stream: &str,
     payload: &[u8],
@@ -552,7 +552,7 @@ fn records_message(
 }
 
 /// A record as the API writes it (`quire_messages::records`).
-fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
+pub(crate) fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
     let record = &records(stream, seq, 1)[0];
     let stream = quire_messages::StreamName::new(stream).unwrap();
     let message = quire_messages::records::record(&stream, &serde_json::to_vec(record).unwrap());
@@ -560,7 +560,7 @@ fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
 }
 
 /// The dead letters of the test's topic, by key, with their bodies.
-fn dead_letters_by_key(stack: &TestStack) -> BTreeMap<String, Vec<DeadLetter>> {
+pub(crate) fn dead_letters_by_key(stack: &TestStack) -> BTreeMap<String, Vec<DeadLetter>> {
     let mut letters: BTreeMap<String, Vec<DeadLetter>> = BTreeMap::new();
     for seen in read_all(&stack.kafka, &stack.topics.dead_letters, 3, true) {
         let key = String::from_utf8(seen.key.expect("a dead letter has a key")).unwrap();

@@ -3,8 +3,10 @@
 
 mod api;
 mod backlog;
+mod brownout;
 mod compose;
 mod dashboard;
+mod dead_letters;
 mod faults;
 mod fencing;
 mod hanging;

@@ -235,6 +235,12 @@ impl Worker {
                 "worker.replica_id must not be empty".into(),
             ));
         }
+        if worker.max_poll_interval_ms < worker.session_timeout_ms {
+            return Err(WorkerError::Config(format!(
+                "worker.max_poll_interval_ms ({}) must be at least worker.session_timeout_ms ({})",
+                worker.max_poll_interval_ms, worker.session_timeout_ms
+            )));
+        }
         let topics = settings.kafka.topics.clone();
         let specs = quire_queue::design_topics(&topics, 1);
         quire_queue::check_topics(&settings.kafka, &specs).await?;
@@ -259,6 +265,7 @@ impl Worker {
         options.cooperative = true;
         options.statistics_interval = Some(Duration::from_millis(worker.statistics_interval_ms));
         options.session_timeout = Some(Duration::from_millis(worker.session_timeout_ms));
+        options.max_poll_interval = Some(Duration::from_millis(worker.max_poll_interval_ms));
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
         let bucket = S3Bucket::new(
             quire_s3::build_client(&settings.s3).await,

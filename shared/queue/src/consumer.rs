@@ -34,6 +34,10 @@ pub struct ConsumerOptions {
     /// `session.timeout.ms`: how long a silent member (a static one included)
     /// keeps its partitions; `None` leaves librdkafka's default (45 s).
     pub session_timeout: Option<Duration>,
+    /// `max.poll.interval.ms`: how long a member may go without polling
+    /// before librdkafka leaves the group for it; `None` leaves the user's
+    /// property or librdkafka's default (300 s).
+    pub max_poll_interval: Option<Duration>,
 }
 
 impl ConsumerOptions {
@@ -45,6 +49,7 @@ impl ConsumerOptions {
             cooperative: false,
             statistics_interval: None,
             session_timeout: None,
+            max_poll_interval: None,
         }
     }
 }
@@ -155,6 +160,7 @@ impl ArrayConsumer {
             options.cooperative,
             options.statistics_interval,
             options.session_timeout,
+            options.max_poll_interval,
         )?;
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let context = QueueContext::new(&options.topic, timeout);
