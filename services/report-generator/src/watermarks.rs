@@ -15,15 +15,25 @@ use quire_queue::{InMessage, PartitionReader, ReadError, ReaderOptions};
 
 use crate::WorkerError;
 
+/// What one watermark partition holds for its record partition.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The latest watermark of each stream.
+    pub streams: HashMap<StreamName, Watermark>,
+    /// The partition's dead-letter mark (key `quire:dead-letters`): its
+    /// messages at or below it have their dead letters published.
+    pub dead_letters_through: Option<i64>,
+}
+
 /// Reads watermark partitions `partitions` of `topic` together: for each, the
-/// latest value per stream. Empty partitions are not read at all, and the
-/// others are read in one assignment, so taking twelve partitions costs about
-/// what taking one does.
+/// latest value per stream, and its dead-letter mark. Empty partitions are
+/// not read at all, and the others are read in one assignment, so taking
+/// twelve partitions costs about what taking one does.
 pub fn load(
     settings: &KafkaSettings,
     topic: &str,
     partitions: &[i32],
-) -> Result<HashMap<i32, HashMap<StreamName, Watermark>>, WorkerError> {
+) -> Result<HashMap<i32, Loaded>, WorkerError> {
     let timeout = Duration::from_millis(settings.request_timeout_ms);
     // A dead owner's transaction is aborted by the broker after the
     // transaction timeout; wait a little longer than that.
@@ -31,9 +41,9 @@ pub fn load(
         Duration::from_millis(settings.transaction_timeout_ms * 2) + Duration::from_secs(5);
     let reader =
         PartitionReader::new(settings, "quire-watermark-reader", ReaderOptions::default())?;
-    let mut loaded: HashMap<i32, HashMap<StreamName, Watermark>> = HashMap::new();
+    let mut loaded: HashMap<i32, Loaded> = HashMap::new();
     for &partition in partitions {
-        loaded.insert(partition, HashMap::new());
+        loaded.insert(partition, Loaded::default());
         // Everything written before the take-over is decided.
         let (_, high) = reader
             .watermarks(topic, partition, Instant::now() + timeout)
@@ -57,16 +67,32 @@ pub fn load(
 }
 
 /// One message of the watermark log: the stream's latest watermark, or its
-/// tombstone.
+/// tombstone; or the partition's dead-letter mark.
 fn apply(
     topic: &str,
     message: &InMessage,
-    loaded: &mut HashMap<i32, HashMap<StreamName, Watermark>>,
+    loaded: &mut HashMap<i32, Loaded>,
 ) -> Result<(), WorkerError> {
     if is_release(message) {
         return Ok(());
     }
     let partition = message.partition;
+    if records::is_dead_letter_mark(message.key.as_deref()) {
+        let mark =
+            match message.payload.as_deref() {
+                Some(payload) => quire_messages::decode::<Watermark>("dead-letter mark", payload)
+                    .map_err(|error| {
+                        WorkerError::Config(format!(
+                            "dead-letter mark at {topic}[{partition}]@{} is unreadable: {error}",
+                            message.offset
+                        ))
+                    })?
+                    .dead_letters_through,
+                None => None,
+            };
+        loaded.entry(partition).or_default().dead_letters_through = mark;
+        return Ok(());
+    }
     let Some(stream) = message
         .key
         .as_deref()
@@ -80,7 +106,7 @@ fn apply(
         );
         return Ok(());
     };
-    let watermarks = loaded.entry(partition).or_default();
+    let watermarks = &mut loaded.entry(partition).or_default().streams;
     match message
         .payload
         .as_deref()
@@ -123,5 +149,58 @@ fn unstable(error: ReadError, partition: i32) -> WorkerError {
             waited_ms: waited.as_millis(),
         },
         other => WorkerError::Read(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn message(key: &[u8], payload: Option<Vec<u8>>) -> InMessage {
+        InMessage {
+            topic: Arc::from("watermarks"),
+            partition: 2,
+            offset: 9,
+            key: Some(key.to_vec()),
+            payload,
+            headers: Vec::new(),
+            timestamp_ms: None,
+        }
+    }
+
+    #[test]
+    fn the_reserved_key_loads_the_dead_letter_mark_beside_the_streams() {
+        let mut loaded = HashMap::new();
+        let mark = records::dead_letter_mark(2, 40);
+        apply(
+            "t",
+            &message(&mark.key.unwrap(), Some(mark.payload)),
+            &mut loaded,
+        )
+        .unwrap();
+        let old_watermark = br#"{"v":1,"partition":2,"offset":12}"#.to_vec();
+        apply("t", &message(b"orders", Some(old_watermark)), &mut loaded).unwrap();
+        let partition = &loaded[&2];
+        assert_eq!(partition.dead_letters_through, Some(40));
+        assert_eq!(partition.streams.len(), 1, "the mark is no stream");
+        let orders = StreamName::new("orders").unwrap();
+        assert_eq!(partition.streams[&orders].offset, Some(12));
+        // A later mark replaces it; a tombstone forgets it.
+        let later = records::dead_letter_mark(2, 55);
+        apply(
+            "t",
+            &message(&later.key.unwrap(), Some(later.payload)),
+            &mut loaded,
+        )
+        .unwrap();
+        assert_eq!(loaded[&2].dead_letters_through, Some(55));
+        apply(
+            "t",
+            &message(records::DEAD_LETTERS_KEY.as_bytes(), None),
+            &mut loaded,
+        )
+        .unwrap();
+        assert_eq!(loaded[&2].dead_letters_through, None);
     }
 }

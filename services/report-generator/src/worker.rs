@@ -29,7 +29,7 @@ use crate::WorkerError;
 use crate::document::{Appended, DocumentWindow, OpenDocument, RecordInput};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
-use crate::partition::PartitionState;
+use crate::partition::{DeadLetterMark, PartitionState};
 use crate::stuck::StuckWatch;
 
 /// How long a session's shutdown may spend aborting open documents and
@@ -121,6 +121,12 @@ struct Outbox {
     /// Where each record's fields are rendered from its text
     /// (`quire_xml::render_fields`), reused from record to record.
     fields: Vec<u8>,
+    /// The dead-letter mark of the partition of the message being processed
+    /// (`PartitionState::dead_letters`): a message at or below it had its
+    /// dead letter published by an earlier read, so it gets none again.
+    dead_letter_mark: DeadLetterMark,
+    /// Whether the message being processed got a dead letter.
+    dead_lettered: bool,
 }
 
 #[derive(Default)]
@@ -531,10 +537,11 @@ impl Worker {
             .await?;
         for &partition in partitions {
             let loaded = watermarks.remove(&partition).unwrap_or_default();
-            tracing::debug!(partition, streams = loaded.len(), "partition taken");
+            tracing::debug!(partition, streams = loaded.streams.len(), "partition taken");
             self.partitions.insert(
                 partition,
-                PartitionState::from_watermarks(partition, loaded),
+                PartitionState::from_watermarks(partition, loaded.streams)
+                    .with_dead_letters_through(loaded.dead_letters_through),
             );
         }
         tracing::info!(partitions = ?partitions, orphaned_uploads_aborted = aborted, "assignment taken");
@@ -555,10 +562,15 @@ impl Worker {
             return Ok(());
         };
         state.observe_time(message.timestamp_ms);
+        outbox.dead_letter_mark = state.dead_letters;
+        outbox.dead_lettered = false;
         let result = match close_ended_windows(&self.context, state, outbox).await {
             Ok(()) => process_message(&self.context, state, message, outbox).await,
             Err(error) => Err(error),
         };
+        if outbox.dead_lettered {
+            state.dead_letters.published(message.offset);
+        }
         state.mark_read(message.offset);
         result
     }
@@ -745,6 +757,12 @@ impl Worker {
                     )
                     .to_partition(partition),
                 );
+            }
+            if let Some(through) = state.dead_letters.take_unwritten() {
+                let mark = records::dead_letter_mark(partition, through);
+                outbox
+                    .messages
+                    .push(on_topic(&self.context.topics.watermarks, mark));
             }
         }
         outbox.tag_new_by_target();
@@ -1346,12 +1364,24 @@ fn request_cut(
         .push(on_topic(&topics.records, marker).to_partition(document.partition));
 }
 
+/// Publishes, in this array's transaction, the dead letter of a message
+/// that cannot be rendered, unless an earlier read of the partition
+/// published it already (the partition's dead-letter mark covers it): one
+/// dead letter per (partition, offset), whatever the restarts.
 fn dead_letter(
     context: &Context,
     message: &InMessage,
     reason: &str,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
+    if outbox.dead_letter_mark.covers(message.offset) {
+        tracing::debug!(
+            partition = message.partition,
+            offset = message.offset,
+            "dead letter already published by an earlier read; not again"
+        );
+        return Ok(());
+    }
     tracing::warn!(
         partition = message.partition,
         offset = message.offset,
@@ -1376,6 +1406,7 @@ fn dead_letter(
         quire_messages::encode(&letter),
     ));
     outbox.dead_letters += 1;
+    outbox.dead_lettered = true;
     Ok(())
 }
 

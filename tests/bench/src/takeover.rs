@@ -118,6 +118,7 @@ async fn write_watermarks(
                     offset: Some(index as i64),
                     definition: None,
                     window: None,
+                    dead_letters_through: None,
                 };
                 OutMessage::new(
                     topic,
