@@ -10,6 +10,7 @@ mod dead_letters;
 mod faults;
 mod fencing;
 mod hanging;
+mod keep_alive;
 mod layering;
 mod memory;
 mod pipeline;

@@ -341,6 +341,9 @@ impl Worker {
                 .next_array(settings.max_records, max_wait)
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
+            // S3 work slowed down can outlast max.poll.interval.ms: polled
+            // until the commit, so the group keeps this member.
+            let keep_alive = self.consumer.keep_alive();
             self.handle_rebalances(&array.rebalances).await?;
             let (mut outbox, refused_since) = match self.refused.take() {
                 Some(refused) => (refused.outbox, Some(refused.since)),
@@ -368,6 +371,7 @@ impl Worker {
             let window_markers = outbox.window_markers;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
+            keep_alive.stop().await;
             let transaction = match self.commit(&array, &mut outbox).await {
                 Ok(transaction) => transaction,
                 Err(WorkerError::Queue(QueueError::GroupRefused(error))) => {

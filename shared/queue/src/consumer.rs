@@ -36,7 +36,9 @@ pub struct ConsumerOptions {
     pub session_timeout: Option<Duration>,
     /// `max.poll.interval.ms`: how long a member may go without polling
     /// before librdkafka leaves the group for it; `None` leaves the user's
-    /// property or librdkafka's default (300 s).
+    /// property or librdkafka's default (300 s). A
+    /// [`KeepAlive`](crate::KeepAlive) polls within it while the caller
+    /// works on an array.
     pub max_poll_interval: Option<Duration>,
 }
 
@@ -141,13 +143,20 @@ pub struct DrainSummary {
 
 /// A group consumer that dequeues arrays: read_committed, no auto commit.
 pub struct ArrayConsumer {
-    consumer: Arc<BaseConsumer<QueueContext>>,
+    pub(crate) consumer: Arc<BaseConsumer<QueueContext>>,
     /// Held while polling and while checking-and-committing, so a rebalance
     /// callback cannot run between the check of a partition and its commit.
-    poll_lock: Arc<Mutex<()>>,
-    topic: String,
+    pub(crate) poll_lock: Arc<Mutex<()>>,
+    pub(crate) topic: String,
     timeout: Duration,
+    /// How long an array's work may go on before a
+    /// [`KeepAlive`](crate::KeepAlive) polls, and then how often it polls: a
+    /// fifth of `max.poll.interval.ms`.
+    pub(crate) keep_alive_every: Duration,
 }
+
+/// librdkafka's default `max.poll.interval.ms`.
+const DEFAULT_MAX_POLL_INTERVAL: Duration = Duration::from_secs(300);
 
 impl ArrayConsumer {
     /// Creates the consumer and subscribes; the group assigns partitions
@@ -162,6 +171,12 @@ impl ArrayConsumer {
             options.session_timeout,
             options.max_poll_interval,
         )?;
+        // The interval in force, whoever set it: the keep-alive is derived
+        // from it.
+        let max_poll_interval = config
+            .get("max.poll.interval.ms")
+            .and_then(|value| value.trim().parse::<u64>().ok())
+            .map_or(DEFAULT_MAX_POLL_INTERVAL, Duration::from_millis);
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let context = QueueContext::new(&options.topic, timeout);
         let consumer: BaseConsumer<QueueContext> = config
@@ -175,6 +190,7 @@ impl ArrayConsumer {
             poll_lock: Arc::new(Mutex::new(())),
             topic: options.topic.clone(),
             timeout,
+            keep_alive_every: (max_poll_interval / 5).max(Duration::from_millis(100)),
         })
     }
 
@@ -413,6 +429,16 @@ fn read_array(
     let deadline = started + max_wait;
     let mut messages: Vec<InMessage> = Vec::with_capacity(max.min(65_536));
     let mut rebalances = Vec::new();
+    // What a keep-alive left: its deferred callbacks, then what it held.
+    consumer.context().apply_deferred(consumer);
+    {
+        let mut state = consumer.context().lock();
+        if let Some(error) = state.held_error.take() {
+            return Err(QueueError::Consume(error));
+        }
+        messages.append(&mut state.held);
+    }
+    take_rebalance_events(consumer, &mut messages, &mut rebalances)?;
     let end = loop {
         if messages.len() >= max {
             break ArrayEnd::Full;

@@ -12,6 +12,14 @@
 //! commit point of every owned partition, moved or not, so the broker checks
 //! every transaction against the group's generation.
 //!
+//! While the caller works on an array, a keep-alive (`consumer.rs`,
+//! [`KeepAlive`](crate::KeepAlive)) polls to stay in the group; a rebalance
+//! callback it serves is not applied then but kept ([`DeferredRebalance`])
+//! and applied by the next read, first thing. librdkafka waits for the
+//! assign/unassign call (its WAIT_ASSIGN_CALL / WAIT_UNASSIGN_CALL states,
+//! heartbeating meanwhile), so the assignment still changes only inside
+//! `next_array`, as the commits rely on.
+//!
 //! With `statistics.interval.ms` set, librdkafka's statistics arrive here too
 //! (on the same polling thread): each assigned partition's high watermark,
 //! last stable offset and position are kept for the lag metrics, at no cost
@@ -63,6 +71,28 @@ pub(crate) struct AssignmentState {
     /// Whether the last statistics showed at least one broker connected;
     /// `None` before the first statistics.
     pub brokers_up: Option<bool>,
+    /// True while a keep-alive polls: rebalance callbacks are deferred.
+    pub keeping_alive: bool,
+    /// Rebalance callbacks a keep-alive poll served, in order, for the next
+    /// read to apply.
+    pub deferred: Vec<DeferredRebalance>,
+    /// Partitions a keep-alive paused (resumed when it stops).
+    pub paused: BTreeSet<i32>,
+    /// Messages a keep-alive poll received (none is expected: it pauses
+    /// every assigned partition first): the next read hands them out first.
+    pub held: Vec<crate::InMessage>,
+    /// An error a keep-alive poll received, surfaced by the next read.
+    pub held_error: Option<KafkaError>,
+}
+
+/// A rebalance callback served by a keep-alive poll, applied by the next
+/// read: what librdkafka asked, on which partitions, and whether the
+/// assignment was lost (judged when the callback came).
+#[derive(Debug)]
+pub(crate) struct DeferredRebalance {
+    kind: RDKafkaRespErr,
+    partitions: TopicPartitionList,
+    lost: bool,
 }
 
 /// Where one partition stands, from librdkafka's statistics.
@@ -252,12 +282,28 @@ impl ClientContext for QueueContext {
     }
 }
 
-impl ConsumerContext for QueueContext {
-    fn rebalance(
+impl QueueContext {
+    /// Applies the rebalance callbacks a keep-alive deferred, in order: what
+    /// the callback would have done then. Called by a read, on the polling
+    /// thread, before it polls.
+    pub(crate) fn apply_deferred(&self, consumer: &BaseConsumer<Self>) {
+        let deferred = std::mem::take(&mut self.lock().deferred);
+        for mut rebalance in deferred {
+            self.apply_rebalance(
+                consumer,
+                rebalance.kind,
+                &mut rebalance.partitions,
+                rebalance.lost,
+            );
+        }
+    }
+
+    fn apply_rebalance(
         &self,
         consumer: &BaseConsumer<Self>,
         error: RDKafkaRespErr,
         partitions: &mut TopicPartitionList,
+        lost: bool,
     ) {
         let cooperative = matches!(
             consumer.rebalance_protocol(),
@@ -302,14 +348,17 @@ impl ConsumerContext for QueueContext {
                 state.pending_events.push(RebalanceEvent::Assigned(numbers));
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                let lost = consumer.assignment_lost();
                 {
                     let mut state = self.lock();
                     for partition in &numbers {
                         state.assigned.remove(partition);
                         state.commit_points.remove(partition);
                         state.at_end.remove(partition);
+                        state.paused.remove(partition);
                     }
+                    state
+                        .held
+                        .retain(|message| !numbers.contains(&message.partition));
                     tracing::info!(partitions = ?numbers, lost, "partitions revoked");
                     state.pending_events.push(RebalanceEvent::Revoked {
                         partitions: numbers,
@@ -333,6 +382,36 @@ impl ConsumerContext for QueueContext {
                 }
             }
         }
+    }
+}
+
+impl ConsumerContext for QueueContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        error: RDKafkaRespErr,
+        partitions: &mut TopicPartitionList,
+    ) {
+        let lost = error == RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS
+            && consumer.assignment_lost();
+        {
+            let mut state = self.lock();
+            if state.keeping_alive {
+                tracing::info!(
+                    kind = ?error,
+                    partitions = partitions.count(),
+                    lost,
+                    "rebalance deferred until the array in hand is committed"
+                );
+                state.deferred.push(DeferredRebalance {
+                    kind: error,
+                    partitions: partitions.clone(),
+                    lost,
+                });
+                return;
+            }
+        }
+        self.apply_rebalance(consumer, error, partitions, lost);
     }
 }
 

@@ -11,6 +11,8 @@
 //!   and [`ArrayConsumer::commit_in_transaction`] (offsets inside a producer
 //!   transaction with the group metadata, so a fenced or stale member cannot
 //!   commit).
+//! - [`ArrayConsumer::keep_alive`] keeps a member in its group while it works
+//!   on an array for longer than `max.poll.interval.ms`.
 //!
 //! Array does not imply bulk unless it is bulk underneath: librdkafka batches
 //! produce requests and prefetches fetches, one transaction ends per array and
@@ -24,6 +26,7 @@ mod consumer;
 mod context;
 mod error;
 mod group_commit;
+mod keep_alive;
 mod message;
 mod producer;
 mod reader;
@@ -40,6 +43,7 @@ pub use consumer::{
 pub use context::{PartitionProgress, RebalanceEvent};
 pub use error::{QueueError, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
+pub use keep_alive::KeepAlive;
 pub use message::{InMessage, MessageId, OutMessage};
 pub use producer::{
     Followers, ProducerOptions, ProducerStatistics, Release, TransactionalProducer,
