@@ -18,6 +18,7 @@ mod queue;
 mod rebalance;
 mod reports;
 mod soak;
+mod three_brokers;
 mod windows;
 mod worker_ops;
 mod writer;
