@@ -360,7 +360,7 @@ pub mod stack;
 pub mod tls;
 
 pub use client::{Answer, Attempt, NoAnswer};
-pub use observe::{Observed, Report};
+pub use observe::{Observed, Report, worker_metric};
 pub use services::{
     ApiProcess, InProcessWorker, Launch, Service, WorkerProcess, environment_of, release_binary,
 };

@@ -74,6 +74,36 @@ impl TestStack {
     }
 }
 
+/// A report generator's metric from its `/metrics` at `base`: the sum of
+/// every series of `name` (all its labels), `None` while the worker does not
+/// answer or does not export it yet.
+pub async fn worker_metric(base: &str, name: &str) -> Option<f64> {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    let mut found = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        // `name 3` or `name{labels} 3`, never a longer metric's name.
+        if !(rest.starts_with(' ') || rest.starts_with('{')) {
+            continue;
+        }
+        if let Some(value) = rest
+            .rsplit(' ')
+            .next()
+            .and_then(|value| value.parse::<f64>().ok())
+        {
+            *found.get_or_insert(0.0) += value;
+        }
+    }
+    found
+}
+
 /// A report as stored: its manifest and its document's bytes.
 #[derive(Debug, Clone)]
 pub struct Report {

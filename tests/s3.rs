@@ -6,6 +6,7 @@
 //! Nothing here skips: a test that needs S3 and cannot reach it fails, with a
 //! message that says how to start the stack.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -292,6 +293,9 @@ pub enum ProxyMode {
     Failing { fault: Fault, percent: u32 },
     /// Every request waits `delay` before it is forwarded.
     Slow { delay: Duration },
+    /// Every UploadPart waits `delay` before it is forwarded (a brownout of
+    /// the data path: slow, still succeeding); other requests pass.
+    SlowParts { delay: Duration },
     /// Every request fails: new connections are reset as soon as they are
     /// accepted, open ones at their next request, as if the server were gone.
     Down,
@@ -320,6 +324,7 @@ pub struct FaultProxy {
     faults_injected: Arc<AtomicU32>,
     requests_seen: Arc<AtomicU32>,
     mode: Arc<Mutex<ProxyMode>>,
+    uploads_created: Arc<Mutex<BTreeMap<String, u32>>>,
     accept_task: JoinHandle<()>,
 }
 
@@ -341,7 +346,9 @@ impl FaultProxy {
         let faults_injected = Arc::new(AtomicU32::new(0));
         let requests_seen = Arc::new(AtomicU32::new(0));
         let mode = Arc::new(Mutex::new(ProxyMode::PassThrough));
+        let uploads_created = Arc::new(Mutex::new(BTreeMap::new()));
         let shared = Arc::new(ProxyState {
+            uploads_created: uploads_created.clone(),
             upstream,
             rule: Box::new(rule),
             upload_parts_seen: upload_parts_seen.clone(),
@@ -360,8 +367,15 @@ impl FaultProxy {
             faults_injected,
             requests_seen,
             mode,
+            uploads_created,
             accept_task,
         }
+    }
+
+    /// CreateMultipartUpload requests seen so far, by object path
+    /// (`/bucket/key`): an upload started twice for one key shows as 2.
+    pub fn uploads_created(&self) -> BTreeMap<String, u32> {
+        self.uploads_created.lock().expect("upload counts").clone()
     }
 
     /// A proxy that forwards everything until [`FaultProxy::set_mode`] says
@@ -404,6 +418,7 @@ struct ProxyState {
     faults_injected: Arc<AtomicU32>,
     requests_seen: Arc<AtomicU32>,
     mode: Arc<Mutex<ProxyMode>>,
+    uploads_created: Arc<Mutex<BTreeMap<String, u32>>>,
 }
 
 impl ProxyState {
@@ -509,6 +524,19 @@ async fn read_request_head(reader: &mut BufReader<OwnedReadHalf>) -> Option<Requ
     })
 }
 
+/// The object path of a CreateMultipartUpload request: a POST whose query
+/// is `uploads` (with or without a value).
+fn created_upload_path(head: &RequestHead) -> Option<&str> {
+    if head.method != "POST" {
+        return None;
+    }
+    let (path, query) = head.target.split_once('?')?;
+    query
+        .split('&')
+        .any(|pair| pair == "uploads" || pair == "uploads=")
+        .then_some(path)
+}
+
 /// `Some(part number)` for an UploadPart request: a PUT with `partNumber=`
 /// and `uploadId=` in its query.
 fn upload_part_number(head: &RequestHead) -> Option<u32> {
@@ -547,6 +575,15 @@ async fn forward_requests(
         }
         let body_length = head.content_length.unwrap_or(0);
         state.requests_seen.fetch_add(1, Ordering::SeqCst);
+        if let Some(path) = created_upload_path(&head) {
+            *state
+                .uploads_created
+                .lock()
+                .expect("upload counts")
+                .entry(path.to_owned())
+                .or_default() += 1;
+        }
+        let is_upload_part = upload_part_number(&head).is_some();
         let ruled = upload_part_number(&head).and_then(|part_number| {
             let ordinal = state.upload_parts_seen.fetch_add(1, Ordering::SeqCst) + 1;
             (state.rule)(UploadPartSeen {
@@ -560,6 +597,12 @@ async fn forward_requests(
             (None, ProxyMode::Failing { fault, percent }) => drawn(percent).then_some(fault),
             (None, ProxyMode::Slow { delay }) => {
                 tokio::time::sleep(delay).await;
+                None
+            }
+            (None, ProxyMode::SlowParts { delay }) => {
+                if is_upload_part {
+                    tokio::time::sleep(delay).await;
+                }
                 None
             }
             (None, ProxyMode::Down) => Some(Fault::ResetConnection),

@@ -10,23 +10,23 @@ use std::time::{Duration, Instant};
 
 use quire_messages::{DeadLetter, HEADER_KIND, HEADER_VERSION};
 use quire_queue::{MessageId, OutMessage, TransactionalProducer};
-use quire_tests::kafka_process::{KafkaCluster, KafkaProcess, transaction_state_partition};
+use quire_tests::kafka_process::KafkaProcess;
 use quire_tests::read_all;
 use quire_tests::s3::{Fault, FaultProxy, ProxyMode};
-use quire_tests::{ApiProcess, Attempt, Observed, TestStack, WorkerProcess, partition_of, records};
+use quire_tests::{ApiProcess, Attempt, Observed, TestStack, WorkerProcess, records};
 use serde_json::{Value, json};
 
 /// How long one request may take before the client gives up on it: an API
 /// that cannot publish must say so (503) well before this.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+pub(crate) const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long a sender keeps retrying one array.
 /// An attempt cut off by the client timeout while its commit was under way
 /// holds the key until the API has its outcome: up to 3 commit attempts of
 /// kafka.request_timeout_ms (30 s) each.
 const GIVE_UP: Duration = Duration::from_secs(180);
-const LONG: Duration = Duration::from_secs(180);
+pub(crate) const LONG: Duration = Duration::from_secs(180);
 
-fn stream_name(prefix: &str) -> String {
+pub(crate) fn stream_name(prefix: &str) -> String {
     format!(
         "{prefix}-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -34,10 +34,10 @@ fn stream_name(prefix: &str) -> String {
 }
 
 /// What one sender did: the records the API accepted, and every attempt.
-struct Sent {
+pub(crate) struct Sent {
     stream: String,
     accepted: Vec<u64>,
-    attempts: Vec<Attempt>,
+    pub(crate) attempts: Vec<Attempt>,
     /// Set when an array was neither accepted nor refused within
     /// [`GIVE_UP`], or got an answer other than 200 / 503 / 429: what
     /// happened to its records is unknown, so the run proves nothing.
@@ -47,7 +47,7 @@ struct Sent {
 /// Sends `make(stream, first_seq, count)` arrays of `array` records, one
 /// after the other with `pause` between them, until `stop` is raised, each
 /// under its own idempotency key and retried until accepted.
-async fn send_numbered(
+pub(crate) async fn send_numbered(
     api: Arc<ApiProcess>,
     stream: String,
     array: u64,
@@ -88,7 +88,7 @@ async fn send_numbered(
 }
 
 /// The senders' records by stream, after checking none of them failed.
-fn accepted_by_stream(senders: &[Sent]) -> BTreeMap<String, Vec<u64>> {
+pub(crate) fn accepted_by_stream(senders: &[Sent]) -> BTreeMap<String, Vec<u64>> {
     for sender in senders {
         assert!(
             sender.failure.is_none(),
@@ -155,7 +155,7 @@ async fn worker_state(monitor: Option<&str>) -> String {
 /// Waits until the report events account for every accepted record of every
 /// stream, then reads everything back. Fails at once if the worker exits:
 /// it must resume by itself.
-async fn wait_until_reported(
+pub(crate) async fn wait_until_reported(
     stack: &TestStack,
     worker: &mut WorkerProcess,
     monitor: Option<&str>,
@@ -200,7 +200,7 @@ async fn wait_until_reported(
 }
 
 /// Runs a blocking broker operation without stalling the runtime's other tasks.
-fn blocking<T>(operation: impl FnOnce() -> T) -> T {
+pub(crate) fn blocking<T>(operation: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(operation)
 }
 
@@ -380,7 +380,7 @@ async fn kafka_stopped_and_restarted_mid_run_loses_and_doubles_nothing() {
 
 /// A record of about 1.6 KB: enough of them fill an 8 MiB part, so large
 /// documents are multipart uploads.
-fn padded_records(stream: &str, first: u64, count: u64) -> Vec<Value> {
+pub(crate) fn padded_records(stream: &str, first: u64, count: u64) -> Vec<Value> {
     (first..first + count)
         .map(|seq| json!({"stream": stream, "seq": seq, "pad": "p".repeat(1600)}))
         .collect()
@@ -540,7 +540,7 @@ async fn s3_errors_delays_resets_and_an_outage_damage_no_report_and_lose_nothing
 
 /// A message for the records topic with the headers the API would put on it
 /// (`quire-kind`, `quire-v`), or other ones.
-fn records_message(
+pub(crate) fn records_message(
     topic: &str,
     stream: &str,
     payload: &[u8],
@@ -553,7 +553,7 @@ fn records_message(
 }
 
 /// A record as the API writes it (`quire_messages::records`).
-fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
+pub(crate) fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
     let record = &records(stream, seq, 1)[0];
     let stream = quire_messages::StreamName::new(stream).unwrap();
     let message = quire_messages::records::record(&stream, &serde_json::to_vec(record).unwrap());
@@ -561,7 +561,7 @@ fn good_record(topic: &str, stream: &str, seq: u64) -> OutMessage {
 }
 
 /// The dead letters of the test's topic, by key, with their bodies.
-fn dead_letters_by_key(stack: &TestStack) -> BTreeMap<String, Vec<DeadLetter>> {
+pub(crate) fn dead_letters_by_key(stack: &TestStack) -> BTreeMap<String, Vec<DeadLetter>> {
     let mut letters: BTreeMap<String, Vec<DeadLetter>> = BTreeMap::new();
     for seen in read_all(&stack.kafka, &stack.topics.dead_letters, 3, true) {
         let key = String::from_utf8(seen.key.expect("a dead letter has a key")).unwrap();
@@ -782,209 +782,4 @@ async fn a_record_of_a_newer_version_is_a_dead_letter_naming_its_version() {
         worker.exited().is_none(),
         "the worker stopped on a record of a newer version"
     );
-}
-
-/// `quire_worker_records_total` from the worker's `/metrics`, sampled every
-/// 250 ms until `stop`: when the worker's progress stalled.
-async fn sample_worker_records(metrics_url: String, stop: Arc<AtomicBool>) -> Vec<(Instant, f64)> {
-    let http = reqwest::Client::new();
-    let mut samples = Vec::new();
-    while !stop.load(Ordering::Acquire) {
-        if let Ok(response) = http.get(&metrics_url).send().await
-            && let Ok(text) = response.text().await
-            && let Some(value) = text
-                .lines()
-                .find_map(|line| line.strip_prefix("quire_worker_records_total "))
-                .and_then(|value| value.trim().parse::<f64>().ok())
-        {
-            samples.push((Instant::now(), value));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    samples
-}
-
-/// Around `at`: from the last accepted array before it to the first after
-/// it (the API's refusal window), and how many 503s came in between.
-fn acceptance_gap(attempts: &[&Attempt], at: Instant) -> (Duration, usize) {
-    let before = attempts
-        .iter()
-        .filter(|attempt| attempt.accepted() && attempt.answered_at <= at)
-        .map(|attempt| attempt.answered_at)
-        .max()
-        .unwrap_or(at);
-    let after = attempts
-        .iter()
-        .filter(|attempt| attempt.accepted() && attempt.answered_at > at)
-        .map(|attempt| attempt.answered_at)
-        .min()
-        .expect("an array accepted after the kill");
-    let refused = attempts
-        .iter()
-        .filter(|attempt| attempt.answered_at > before && attempt.answered_at < after)
-        .filter(|attempt| matches!(&attempt.outcome, Ok(answer) if answer.status == 503))
-        .count();
-    (after - before, refused)
-}
-
-/// Around `at`: from the worker's last progress before it to its first
-/// after it.
-fn progress_gap(samples: &[(Instant, f64)], at: Instant) -> Duration {
-    let mut last_progress = None;
-    let mut previous = None;
-    for &(when, value) in samples {
-        let moved = previous.is_some_and(|earlier| value > earlier);
-        previous = Some(value);
-        if !moved {
-            continue;
-        }
-        if when <= at {
-            last_progress = Some(when);
-        } else {
-            return when - last_progress.unwrap_or(at);
-        }
-    }
-    panic!("the worker made no progress after the kill at all");
-}
-
-/// Production's shape: three brokers, every topic replicated three times
-/// with `min.insync.replicas=2`. SIGKILLed mid-run while three senders
-/// publish and a worker serves: first the leader of the partition of
-/// `__transaction_state` that coordinates the API's first producer, then
-/// the leader of the busiest records partition; each restarted 10 s
-/// later. Nothing accepted may be lost, doubled or left behind a hanging
-/// transaction; the API's refusal window and the worker's stall are
-/// reported.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and_hold_back_nothing()
-{
-    let mut cluster = blocking(|| KafkaCluster::start_new(3));
-    let stack = TestStack::create_on_cluster("fault-3b", &cluster).await;
-    // Releases, recreated producers and each request's outcome: what a
-    // request left without an answer was waiting for.
-    let launch = stack
-        .api()
-        .log_filter("warn,quire_queue=info,producer_api=info");
-    let prefix = launch.settings.api.transactional_id_prefix.clone();
-    let api = Arc::new(launch.start_api().await);
-    let (mut worker, base) = stack
-        .worker("w1")
-        .log_filter("warn,report_generator=info,report_generator::worker=debug,quire_queue=info")
-        .spawn_monitored();
-    let stop = Arc::new(AtomicBool::new(false));
-    let streams: Vec<String> = (0..3)
-        .map(|index| stream_name(&format!("b3{index}")))
-        .collect();
-    let senders: Vec<_> = streams
-        .iter()
-        .map(|stream| {
-            tokio::spawn(send_numbered(
-                api.clone(),
-                stream.clone(),
-                20,
-                Duration::from_millis(100),
-                records,
-                stop.clone(),
-            ))
-        })
-        .collect();
-    // Sampled until everything is reported: a worker that resumes only
-    // after the senders stopped still shows when.
-    let sampled = Arc::new(AtomicBool::new(false));
-    let sampler = tokio::spawn(sample_worker_records(
-        format!("{base}/metrics"),
-        sampled.clone(),
-    ));
-    tokio::time::sleep(Duration::from_secs(5)).await;
-
-    // The coordinator of the API's first producer (`{prefix}-api-0-0`;
-    // the test cluster has 3 transaction-state partitions).
-    let coordinating = transaction_state_partition(&format!("{prefix}-api-0-0"), 3);
-    let coordinator = blocking(|| cluster.leader_of("__transaction_state", coordinating));
-    blocking(|| cluster.kill(coordinator));
-    let coordinator_killed = Instant::now();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    blocking(|| cluster.start(coordinator));
-    tokio::time::sleep(Duration::from_secs(10)).await;
-
-    let busiest = partition_of(&streams[0], 12) as i32;
-    let leader = blocking(|| cluster.leader_of(&stack.topics.records, busiest));
-    blocking(|| cluster.kill(leader));
-    let leader_killed = Instant::now();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    blocking(|| cluster.start(leader));
-    tokio::time::sleep(Duration::from_secs(10)).await;
-
-    stop.store(true, Ordering::Release);
-    let mut results = Vec::new();
-    for sender in senders {
-        results.push(sender.await.expect("sender task"));
-    }
-    let attempts: Vec<&Attempt> = results.iter().flat_map(|sent| &sent.attempts).collect();
-    let (coordinator_window, coordinator_refusals) = acceptance_gap(&attempts, coordinator_killed);
-    let (leader_window, leader_refusals) = acceptance_gap(&attempts, leader_killed);
-    // When each unanswered request was sent, from the coordinator's kill
-    // (the records leader was killed about 20 s later).
-    let unanswered_at: Vec<String> = attempts
-        .iter()
-        .filter(|attempt| attempt.outcome.is_err())
-        .map(|attempt| {
-            let at = attempt
-                .sent_at
-                .saturating_duration_since(coordinator_killed);
-            format!("{:.1}s", at.as_secs_f64())
-        })
-        .collect();
-    let no_answer = unanswered_at.len();
-    assert_eq!(
-        no_answer, 0,
-        "requests got no answer within {CLIENT_TIMEOUT:?} (sent at {unanswered_at:?} after the \
-         coordinator kill)"
-    );
-    let sent = accepted_by_stream(&results);
-    for stream in sent.keys() {
-        api.cut(stream).await;
-    }
-    let observed = wait_until_reported(&stack, &mut worker, Some(&base), &sent, LONG).await;
-    sampled.store(true, Ordering::Release);
-    let samples = sampler.await.expect("sampler task");
-    quire_tests::figures(&format!(
-        "three brokers: {} attempts, {} records accepted, every request answered; \
-         coordinator (node {coordinator}) killed: no array accepted for {coordinator_window:?} \
-         ({coordinator_refusals} answered 503), worker stalled {:?}; \
-         records leader (node {leader}) killed: no array accepted for {leader_window:?} \
-         ({leader_refusals} answered 503), worker stalled {:?}",
-        attempts.len(),
-        sent.values().map(Vec::len).sum::<usize>(),
-        progress_gap(&samples, coordinator_killed),
-        progress_gap(&samples, leader_killed),
-    ));
-    observed.assert_exactly_once(&sent);
-    // Nothing left behind a hanging transaction: a transaction in flight
-    // (a periodic release) may hold a partition for a moment, never past
-    // the transaction timeout.
-    for partition in 0..12 {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let settings = stack.kafka.clone();
-            let topic = stack.topics.records.clone();
-            let (stable, high) =
-                blocking(move || quire_tests::stable_and_high(&settings, &topic, partition));
-            if stable == high {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}[{partition}]: the last stable offset stays behind the high watermark ({stable} < {high}) for 30 s",
-                stack.topics.records
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-    assert!(
-        worker.exited().is_none(),
-        "the worker exited instead of resuming by itself"
-    );
-    drop(api);
-    drop(cluster);
 }

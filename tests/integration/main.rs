@@ -3,12 +3,15 @@
 
 mod api;
 mod backlog;
+mod brownout;
 mod compose;
 mod dashboard;
+mod dead_letters;
 mod faults;
 mod fencing;
 mod growth;
 mod hanging;
+mod keep_alive;
 mod layering;
 mod memory;
 mod operator;
@@ -20,6 +23,7 @@ mod reports;
 mod soak;
 mod spill;
 mod stream_space;
+mod three_brokers;
 mod windows;
 mod worker_ops;
 mod writer;

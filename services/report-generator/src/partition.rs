@@ -169,6 +169,59 @@ pub struct PartitionState {
     log: Arc<str>,
     /// A move marker processed and not yet recorded on the watermark topic.
     moved: Option<PartitionMoved>,
+    /// The partition's dead-letter mark: see [`DeadLetterMark`].
+    pub dead_letters: DeadLetterMark,
+}
+
+/// The highest offset of a partition whose dead letter is published, so a
+/// replay (a restart, a rebalance: anything that reads a message again from
+/// the committed offset, which stays at an open document) publishes none
+/// twice. It is the partition's, not a stream's: messages without a valid
+/// stream have dead letters too.
+///
+/// One mark per partition is enough because a partition is read in order
+/// from its committed offset, and every message read in an array has its
+/// dead letter in that array's transaction, which also writes the mark
+/// (key `quire:dead-letters` on the watermark partition): once a transaction
+/// with mark M commits, every message at or below M that needs a dead letter
+/// has one, committed by it or an earlier transaction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeadLetterMark {
+    /// Published: committed, or in the transaction under way.
+    through: Option<i64>,
+    /// Last written to the watermark partition.
+    persisted: Option<i64>,
+}
+
+impl DeadLetterMark {
+    /// The mark a new owner loaded from the watermark partition.
+    pub fn loaded(through: Option<i64>) -> Self {
+        DeadLetterMark {
+            through,
+            persisted: through,
+        }
+    }
+
+    /// Whether the message at `offset` had its dead letter published already.
+    pub fn covers(&self, offset: i64) -> bool {
+        self.through.is_some_and(|through| offset <= through)
+    }
+
+    /// The message at `offset` is dead-lettered in the array under way.
+    pub fn published(&mut self, offset: i64) {
+        self.through = Some(self.through.map_or(offset, |through| through.max(offset)));
+    }
+
+    /// The mark to write in the next transaction, if it moved since it was
+    /// last written; marks it written (the caller commits it, or the session
+    /// ends and the next one loads what was committed).
+    pub fn take_unwritten(&mut self) -> Option<i64> {
+        if self.through == self.persisted {
+            return None;
+        }
+        self.persisted = self.through;
+        self.through
+    }
 }
 
 impl PartitionState {
@@ -207,6 +260,7 @@ impl PartitionState {
             window_ends: BTreeSet::new(),
             log,
             moved: None,
+            dead_letters: DeadLetterMark::default(),
         }
     }
 
@@ -238,6 +292,17 @@ impl PartitionState {
     /// The move marker to record now, once.
     pub fn take_moved(&mut self) -> Option<PartitionMoved> {
         self.moved.take()
+    }
+
+    /// The Kafka topic id of the records log this partition is of.
+    pub fn log(&self) -> &str {
+        &self.log
+    }
+
+    /// With the dead-letter mark loaded from the watermark partition.
+    pub fn with_dead_letters_through(mut self, through: Option<i64>) -> Self {
+        self.dead_letters = DeadLetterMark::loaded(through);
+        self
     }
 
     /// Notes the log time of a message read.
@@ -403,6 +468,7 @@ impl PartitionState {
                     definition: in_force_at_commit,
                     window: state.window.as_ref().map(|window| window.progress.clone()),
                     log: Some(self.log.to_string()),
+                    dead_letters_through: None,
                 },
             ));
         }
@@ -559,6 +625,32 @@ mod tests {
                 .progress
                 .next_ms,
             50_000
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_mark_is_written_once_per_move_and_covers_what_it_passed() {
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
+        assert!(!state.dead_letters.covers(0));
+        assert_eq!(
+            state.dead_letters.take_unwritten(),
+            None,
+            "nothing dead-lettered"
+        );
+        state.dead_letters.published(7);
+        state.dead_letters.published(4);
+        assert!(state.dead_letters.covers(7) && state.dead_letters.covers(3));
+        assert!(!state.dead_letters.covers(8));
+        assert_eq!(state.dead_letters.take_unwritten(), Some(7));
+        assert_eq!(state.dead_letters.take_unwritten(), None, "written once");
+        // A new owner starts from what was committed.
+        let mut restored = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"))
+            .with_dead_letters_through(Some(7));
+        assert!(restored.dead_letters.covers(7));
+        assert_eq!(
+            restored.dead_letters.take_unwritten(),
+            None,
+            "loaded is written"
         );
     }
 

@@ -16,21 +16,29 @@ use quire_queue::{InMessage, PartitionReader, ReadError, ReaderOptions};
 
 use crate::WorkerError;
 
-/// Watermarks per partition, then per stream.
-pub type Loaded = HashMap<i32, HashMap<StreamName, Watermark>>;
+/// What one watermark partition holds for its record partition.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The latest watermark of each stream.
+    pub streams: HashMap<StreamName, Watermark>,
+    /// The partition's dead-letter mark (key `quire:dead-letters`): its
+    /// messages at or below it have their dead letters published.
+    pub dead_letters_through: Option<i64>,
+}
 
 /// Reads watermark partitions `partitions` of `topic` together: for each, the
-/// latest value per stream of the records log `log`. Empty partitions are
-/// not read at all, and the others are read in one assignment, so taking
-/// twelve partitions costs about what taking one does. Watermarks of
-/// another log (the records topic was deleted and created again) are
-/// ignored, with a WARN per partition; their count is returned.
+/// latest value per stream of the records log `log`, and its dead-letter
+/// mark. Empty partitions are not read at all, and the others are read in
+/// one assignment, so taking twelve partitions costs about what taking one
+/// does. Watermarks and marks of another log (the records topic was deleted
+/// and created again) are ignored, with a WARN per partition; their count
+/// is returned.
 pub fn load(
     settings: &KafkaSettings,
     topic: &str,
     partitions: &[i32],
     log: &LogIdentity,
-) -> Result<(Loaded, u64), WorkerError> {
+) -> Result<(HashMap<i32, Loaded>, u64), WorkerError> {
     let timeout = Duration::from_millis(settings.request_timeout_ms);
     // A dead owner's transaction is aborted by the broker after the
     // transaction timeout; wait a little longer than that.
@@ -38,9 +46,9 @@ pub fn load(
         Duration::from_millis(settings.transaction_timeout_ms * 2) + Duration::from_secs(5);
     let reader =
         PartitionReader::new(settings, "quire-watermark-reader", ReaderOptions::default())?;
-    let mut loaded: HashMap<i32, HashMap<StreamName, Watermark>> = HashMap::new();
+    let mut loaded: HashMap<i32, Loaded> = HashMap::new();
     for &partition in partitions {
-        loaded.insert(partition, HashMap::new());
+        loaded.insert(partition, Loaded::default());
         // Everything written before the take-over is decided.
         let (_, high) = reader
             .watermarks(topic, partition, Instant::now() + timeout)
@@ -85,18 +93,41 @@ enum Applied {
 }
 
 /// One message of the watermark log: the stream's latest watermark, or its
-/// tombstone.
+/// tombstone; or the partition's dead-letter mark; or another of quire's
+/// own keys (a release, the layout, a move processed), skipped.
 fn apply(
     topic: &str,
     message: &InMessage,
     log: &LogIdentity,
-    loaded: &mut Loaded,
+    loaded: &mut HashMap<i32, Loaded>,
 ) -> Result<Applied, WorkerError> {
-    // quire's own keys (a release, the layout, a partition moved).
-    if is_release(message) || message.key.as_deref().is_some_and(records::is_reserved_key) {
+    if is_release(message) {
         return Ok(Applied::Used);
     }
     let partition = message.partition;
+    if records::is_dead_letter_mark(message.key.as_deref()) {
+        let mark = match message.payload.as_deref() {
+            Some(payload) => {
+                let mark = quire_messages::decode::<Watermark>("dead-letter mark", payload)
+                    .map_err(|error| {
+                        WorkerError::Config(format!(
+                            "dead-letter mark at {topic}[{partition}]@{} is unreadable: {error}",
+                            message.offset
+                        ))
+                    })?;
+                if !log.is_this_log(mark.log.as_deref()) {
+                    return Ok(Applied::Stale);
+                }
+                mark.dead_letters_through
+            }
+            None => None,
+        };
+        loaded.entry(partition).or_default().dead_letters_through = mark;
+        return Ok(Applied::Used);
+    }
+    if message.key.as_deref().is_some_and(records::is_reserved_key) {
+        return Ok(Applied::Used);
+    }
     let Some(stream) = message
         .key
         .as_deref()
@@ -110,7 +141,7 @@ fn apply(
         );
         return Ok(Applied::Used);
     };
-    let watermarks = loaded.entry(partition).or_default();
+    let watermarks = &mut loaded.entry(partition).or_default().streams;
     match message
         .payload
         .as_deref()
@@ -156,5 +187,119 @@ fn unstable(error: ReadError, partition: i32) -> WorkerError {
             waited_ms: waited.as_millis(),
         },
         other => WorkerError::Read(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn message(key: &[u8], payload: Option<Vec<u8>>) -> InMessage {
+        InMessage {
+            topic: Arc::from("watermarks"),
+            partition: 2,
+            offset: 9,
+            key: Some(key.to_vec()),
+            payload,
+            headers: Vec::new(),
+            timestamp_ms: None,
+        }
+    }
+
+    fn first_log() -> LogIdentity {
+        LogIdentity {
+            records: quire_queue::TopicIdentity {
+                name: "records".into(),
+                id: "log".into(),
+                partitions: 12,
+            },
+            first_log: "log".into(),
+            tag: None,
+        }
+    }
+
+    #[test]
+    fn watermarks_and_marks_of_another_log_are_ignored_and_counted() {
+        let mut loaded = HashMap::new();
+        let log = first_log();
+        let other = br#"{"v":1,"partition":2,"offset":12,"log":"gone"}"#.to_vec();
+        assert_eq!(
+            apply("t", &message(b"orders", Some(other)), &log, &mut loaded).unwrap(),
+            Applied::Stale
+        );
+        let mark = records::dead_letter_mark(2, 40, "gone");
+        assert_eq!(
+            apply(
+                "t",
+                &message(&mark.key.unwrap(), Some(mark.payload)),
+                &log,
+                &mut loaded
+            )
+            .unwrap(),
+            Applied::Stale
+        );
+        let layout = records::layout(&quire_messages::LogLayout::new("log", 12));
+        assert_eq!(
+            apply(
+                "t",
+                &message(&layout.key.unwrap(), Some(layout.payload)),
+                &log,
+                &mut loaded
+            )
+            .unwrap(),
+            Applied::Used
+        );
+        assert!(
+            loaded
+                .get(&2)
+                .is_none_or(|partition| partition.streams.is_empty()
+                    && partition.dead_letters_through.is_none())
+        );
+    }
+
+    #[test]
+    fn the_reserved_key_loads_the_dead_letter_mark_beside_the_streams() {
+        let mut loaded = HashMap::new();
+        let log = first_log();
+        let mark = records::dead_letter_mark(2, 40, "log");
+        apply(
+            "t",
+            &message(&mark.key.unwrap(), Some(mark.payload)),
+            &log,
+            &mut loaded,
+        )
+        .unwrap();
+        let old_watermark = br#"{"v":1,"partition":2,"offset":12}"#.to_vec();
+        apply(
+            "t",
+            &message(b"orders", Some(old_watermark)),
+            &log,
+            &mut loaded,
+        )
+        .unwrap();
+        let partition = &loaded[&2];
+        assert_eq!(partition.dead_letters_through, Some(40));
+        assert_eq!(partition.streams.len(), 1, "the mark is no stream");
+        let orders = StreamName::new("orders").unwrap();
+        assert_eq!(partition.streams[&orders].offset, Some(12));
+        // A later mark replaces it; a tombstone forgets it.
+        let later = records::dead_letter_mark(2, 55, "log");
+        apply(
+            "t",
+            &message(&later.key.unwrap(), Some(later.payload)),
+            &log,
+            &mut loaded,
+        )
+        .unwrap();
+        assert_eq!(loaded[&2].dead_letters_through, Some(55));
+        apply(
+            "t",
+            &message(records::DEAD_LETTERS_KEY.as_bytes(), None),
+            &log,
+            &mut loaded,
+        )
+        .unwrap();
+        assert_eq!(loaded[&2].dead_letters_through, None);
     }
 }

@@ -29,7 +29,7 @@ use crate::WorkerError;
 use crate::document::{Appended, DocumentWindow, OpenDocument, RecordInput};
 use crate::metrics::{ArrayCommitted, OpenDocuments};
 use crate::monitoring::Monitor;
-use crate::partition::PartitionState;
+use crate::partition::{DeadLetterMark, PartitionState};
 use crate::stuck::StuckWatch;
 use crate::topics::{TopicChange, TopicWatch};
 
@@ -129,6 +129,12 @@ struct Outbox {
     /// Where each record's fields are rendered from its text
     /// (`quire_xml::render_fields`), reused from record to record.
     fields: Vec<u8>,
+    /// The dead-letter mark of the partition of the message being processed
+    /// (`PartitionState::dead_letters`): a message at or below it had its
+    /// dead letter published by an earlier read, so it gets none again.
+    dead_letter_mark: DeadLetterMark,
+    /// Whether the message being processed got a dead letter.
+    dead_lettered: bool,
 }
 
 #[derive(Default)]
@@ -251,6 +257,12 @@ impl Worker {
                 "worker.replica_id must not be empty".into(),
             ));
         }
+        if worker.max_poll_interval_ms < worker.session_timeout_ms {
+            return Err(WorkerError::Config(format!(
+                "worker.max_poll_interval_ms ({}) must be at least worker.session_timeout_ms ({})",
+                worker.max_poll_interval_ms, worker.session_timeout_ms
+            )));
+        }
         let topics = settings.kafka.topics.clone();
         let specs = quire_queue::design_topics(&topics, 1, settings.kafka.partitions);
         quire_queue::check_topics(&settings.kafka, &specs).await?;
@@ -301,6 +313,7 @@ impl Worker {
         options.statistics_interval = Some(Duration::from_millis(worker.statistics_interval_ms));
         options.session_timeout = Some(Duration::from_millis(worker.session_timeout_ms));
         options.commit_metadata = Some(quire_log::commit_metadata(&watermarks.id));
+        options.max_poll_interval = Some(Duration::from_millis(worker.max_poll_interval_ms));
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
         // Count and byte rollovers are decided inline, so a document ends at
         // the record that reaches rollover_bytes: the declared maximum is
@@ -381,6 +394,9 @@ impl Worker {
                 .next_array(settings.max_records, max_wait)
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
+            // S3 work slowed down can outlast max.poll.interval.ms: polled
+            // until the commit, so the group keeps this member.
+            let keep_alive = self.consumer.keep_alive();
             self.handle_rebalances(&array.rebalances).await?;
             let (mut outbox, refused_since) = match self.refused.take() {
                 Some(refused) => (refused.outbox, Some(refused.since)),
@@ -409,6 +425,7 @@ impl Worker {
             let moves = outbox.moves;
             // The failpoint in commit looks at the reports: keep them there.
             let reports = outbox.reports.clone();
+            keep_alive.stop().await;
             let transaction = match self.commit(&array, &mut outbox).await {
                 Ok(transaction) => transaction,
                 Err(WorkerError::Queue(QueueError::GroupRefused(error))) => {
@@ -610,7 +627,7 @@ impl Worker {
             .iter()
             .partition(|&&partition| partition < self.watermarks.partitions);
         if !unservable.is_empty() {
-            self.consumer.pause(&unservable)?;
+            self.consumer.hold(&unservable)?;
             self.unserved.extend(unservable.iter().copied());
             tracing::warn!(
                 partitions = ?unservable,
@@ -663,14 +680,15 @@ impl Worker {
             .await?;
         for &partition in partitions {
             let loaded = watermarks.remove(&partition).unwrap_or_default();
-            tracing::debug!(partition, streams = loaded.len(), "partition taken");
+            tracing::debug!(partition, streams = loaded.streams.len(), "partition taken");
             self.partitions.insert(
                 partition,
                 PartitionState::from_watermarks(
                     partition,
-                    loaded,
+                    loaded.streams,
                     Arc::from(self.context.log.records.id.as_str()),
-                ),
+                )
+                .with_dead_letters_through(loaded.dead_letters_through),
             );
         }
         tracing::info!(partitions = ?partitions, orphaned_uploads_aborted = aborted, "assignment taken");
@@ -691,10 +709,15 @@ impl Worker {
             return Ok(());
         };
         state.observe_time(message.timestamp_ms);
+        outbox.dead_letter_mark = state.dead_letters;
+        outbox.dead_lettered = false;
         let result = match close_ended_windows(&self.context, state, outbox).await {
             Ok(()) => process_message(&self.context, state, message, outbox).await,
             Err(error) => Err(error),
         };
+        if outbox.dead_lettered {
+            state.dead_letters.published(message.offset);
+        }
         state.mark_read(message.offset);
         result
     }
@@ -905,6 +928,12 @@ impl Worker {
                     )
                     .to_partition(partition),
                 );
+            }
+            if let Some(through) = state.dead_letters.take_unwritten() {
+                let mark = records::dead_letter_mark(partition, through, state.log());
+                outbox
+                    .messages
+                    .push(on_topic(&self.context.topics.watermarks, mark));
             }
         }
         outbox.tag_new_by_target();
@@ -1525,12 +1554,24 @@ fn request_cut(
         .push(on_topic(&topics.records, marker).to_partition(document.partition));
 }
 
+/// Publishes, in this array's transaction, the dead letter of a message
+/// that cannot be rendered, unless an earlier read of the partition
+/// published it already (the partition's dead-letter mark covers it): one
+/// dead letter per (partition, offset), whatever the restarts.
 fn dead_letter(
     context: &Context,
     message: &InMessage,
     reason: &str,
     outbox: &mut Outbox,
 ) -> Result<(), WorkerError> {
+    if outbox.dead_letter_mark.covers(message.offset) {
+        tracing::debug!(
+            partition = message.partition,
+            offset = message.offset,
+            "dead letter already published by an earlier read; not again"
+        );
+        return Ok(());
+    }
     tracing::warn!(
         partition = message.partition,
         offset = message.offset,
@@ -1555,6 +1596,7 @@ fn dead_letter(
         quire_messages::encode(&letter),
     ));
     outbox.dead_letters += 1;
+    outbox.dead_lettered = true;
     Ok(())
 }
 

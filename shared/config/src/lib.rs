@@ -84,6 +84,7 @@ pub struct WorkerSettings {
     pub metrics_listen: String,
     pub statistics_interval_ms: u64,
     pub session_timeout_ms: u64,
+    pub max_poll_interval_ms: u64,
     pub wedged_after_ms: u64,
     pub restart_backoff_initial_ms: u64,
     pub restart_backoff_max_ms: u64,

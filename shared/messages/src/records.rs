@@ -17,12 +17,16 @@
 //! Keys starting `quire:` are quire's own ([`is_reserved_key`]): no stream
 //! name can start so.
 //!
+//! The watermarks topic is keyed by stream, plus two reserved keys no
+//! stream can have: [`RELEASE_KEY`] and [`DEAD_LETTERS_KEY`] (one per
+//! partition, [`dead_letter_mark`]).
+//!
 //! Every message carries `quire-v: CURRENT_VERSION`; a reader refuses a
 //! newer one ([`unreadable_version`]), never misreads it.
 
 use crate::{
     CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, Handover, LogLayout,
-    MessageKind, PartitionMove, PartitionMoved, StreamName,
+    MessageKind, PartitionMove, PartitionMoved, StreamName, Watermark,
 };
 
 /// The key of release messages on a compacted topic (which refuses
@@ -40,10 +44,17 @@ pub const LAYOUT_PARTITION: i32 = 0;
 pub const MOVED_KEY: &str = "quire:moved";
 
 /// Whether a key on a compacted topic is one of quire's own (a release, the
-/// layout), never a stream's.
+/// layout, a move processed, a dead-letter mark), never a stream's.
 pub fn is_reserved_key(key: &[u8]) -> bool {
     key.starts_with(b"quire:")
 }
+
+/// The key, on the watermarks topic, of a partition's dead-letter mark: a
+/// [`Watermark`] whose `dead_letters_through` is the highest offset of the
+/// record partition whose dead letter is published. Messages without a
+/// valid stream (no key, an invalid name) have their dead letters too, so
+/// the mark is the partition's, not a stream's.
+pub const DEAD_LETTERS_KEY: &str = "quire:dead-letters";
 
 /// One message as quire writes it, without its topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,6 +160,32 @@ pub fn keyed_release(partition: i32) -> LogMessage {
         key: Some(RELEASE_KEY.as_bytes().to_vec()),
         ..release(partition)
     }
+}
+
+/// The dead-letter mark of record partition `partition`, for the same
+/// partition of the watermarks topic: every dead letter of a message at or
+/// below `through` is published, in the records log `log` (its topic id).
+pub fn dead_letter_mark(partition: i32, through: i64, log: &str) -> LogMessage {
+    let mark = Watermark {
+        v: CURRENT_VERSION,
+        partition,
+        offset: None,
+        definition: None,
+        window: None,
+        log: Some(log.to_owned()),
+        dead_letters_through: Some(through),
+    };
+    LogMessage {
+        key: Some(DEAD_LETTERS_KEY.as_bytes().to_vec()),
+        headers: Vec::new(),
+        payload: crate::encode(&mark),
+        partition: Some(partition),
+    }
+}
+
+/// Whether a watermark message's key is the reserved [`DEAD_LETTERS_KEY`].
+pub fn is_dead_letter_mark(key: Option<&[u8]>) -> bool {
+    key == Some(DEAD_LETTERS_KEY.as_bytes())
 }
 
 /// What a message is, from its `quire-kind` header (`None`: absent or
@@ -271,6 +308,31 @@ mod tests {
         let keyed = keyed_release(5);
         assert!(is_release(None, keyed.key.as_deref()));
         assert!(!is_release(Some(b"record"), Some(b"orders")));
+    }
+
+    #[test]
+    fn a_dead_letter_mark_is_a_watermark_under_the_reserved_key() {
+        let mark = dead_letter_mark(7, 41, "log");
+        assert_eq!(mark.partition, Some(7));
+        assert!(is_dead_letter_mark(mark.key.as_deref()));
+        assert!(!is_dead_letter_mark(Some(b"orders")));
+        assert!(!is_release(None, mark.key.as_deref()));
+        assert!(
+            StreamName::new(DEAD_LETTERS_KEY).is_err(),
+            "no stream can take the reserved key"
+        );
+        let read: Watermark = crate::decode("watermark", &mark.payload).unwrap();
+        assert_eq!(
+            (read.partition, read.offset, read.dead_letters_through),
+            (7, None, Some(41))
+        );
+    }
+
+    #[test]
+    fn a_watermark_written_before_dead_letter_marks_still_loads() {
+        let old = br#"{"v":1,"partition":3,"offset":12}"#;
+        let read: Watermark = crate::decode("watermark", old).unwrap();
+        assert_eq!((read.offset, read.dead_letters_through), (Some(12), None));
     }
 
     #[test]

@@ -117,6 +117,12 @@ pub struct Watermark {
     /// which are taken as the first log's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
+    /// Only under the partition's reserved key
+    /// [`DEAD_LETTERS_KEY`](crate::records::DEAD_LETTERS_KEY): the highest
+    /// offset of the record partition whose dead letter is published. A
+    /// replay publishes no dead letter at or below it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letters_through: Option<i64>,
 }
 
 /// How far a windowed stream is through its windows: every window before

@@ -130,6 +130,7 @@ pub(crate) fn consumer_config(
     cooperative: bool,
     statistics_interval: Option<std::time::Duration>,
     session_timeout: Option<std::time::Duration>,
+    max_poll_interval: Option<std::time::Duration>,
 ) -> Result<ClientConfig, QueueError> {
     let mut config = base_config(settings)?;
     // Catching up on a backlog: 1 MiB per partition per fetch (the default)
@@ -170,6 +171,12 @@ pub(crate) fn consumer_config(
     // map, which producers share (and warn about).
     if let Some(timeout) = session_timeout {
         config.set("session.timeout.ms", timeout.as_millis().max(1).to_string());
+    }
+    if let Some(interval) = max_poll_interval {
+        config.set(
+            "max.poll.interval.ms",
+            interval.as_millis().max(1).to_string(),
+        );
     }
     Ok(config)
 }
@@ -261,9 +268,11 @@ mod tests {
             true,
             Some(std::time::Duration::from_secs(2)),
             Some(std::time::Duration::from_secs(6)),
+            Some(std::time::Duration::from_secs(8)),
         )
         .unwrap();
         assert_eq!(config.get("session.timeout.ms"), Some("6000"));
+        assert_eq!(config.get("max.poll.interval.ms"), Some("8000"));
         assert_eq!(config.get("isolation.level"), Some("read_committed"));
         assert_eq!(config.get("enable.auto.commit"), Some("false"));
         assert_eq!(config.get("group.instance.id"), Some("r-1"));

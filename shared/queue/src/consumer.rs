@@ -40,6 +40,12 @@ pub struct ConsumerOptions {
     /// the committer wants its successor to check (the worker: the
     /// watermark topic its offsets were committed with).
     pub commit_metadata: Option<String>,
+    /// `max.poll.interval.ms`: how long a member may go without polling
+    /// before librdkafka leaves the group for it; `None` leaves the user's
+    /// property or librdkafka's default (300 s). A
+    /// [`KeepAlive`](crate::KeepAlive) polls within it while the caller
+    /// works on an array.
+    pub max_poll_interval: Option<Duration>,
 }
 
 impl ConsumerOptions {
@@ -52,6 +58,7 @@ impl ConsumerOptions {
             statistics_interval: None,
             session_timeout: None,
             commit_metadata: None,
+            max_poll_interval: None,
         }
     }
 }
@@ -143,14 +150,21 @@ pub struct DrainSummary {
 
 /// A group consumer that dequeues arrays: read_committed, no auto commit.
 pub struct ArrayConsumer {
-    consumer: Arc<BaseConsumer<QueueContext>>,
+    pub(crate) consumer: Arc<BaseConsumer<QueueContext>>,
     /// Held while polling and while checking-and-committing, so a rebalance
     /// callback cannot run between the check of a partition and its commit.
-    poll_lock: Arc<Mutex<()>>,
-    topic: String,
+    pub(crate) poll_lock: Arc<Mutex<()>>,
+    pub(crate) topic: String,
     timeout: Duration,
     commit_metadata: Option<Arc<str>>,
+    /// How long an array's work may go on before a
+    /// [`KeepAlive`](crate::KeepAlive) polls, and then how often it polls: a
+    /// fifth of `max.poll.interval.ms`.
+    pub(crate) keep_alive_every: Duration,
 }
+
+/// librdkafka's default `max.poll.interval.ms`.
+const DEFAULT_MAX_POLL_INTERVAL: Duration = Duration::from_secs(300);
 
 impl ArrayConsumer {
     /// Creates the consumer and subscribes; the group assigns partitions
@@ -163,7 +177,14 @@ impl ArrayConsumer {
             options.cooperative,
             options.statistics_interval,
             options.session_timeout,
+            options.max_poll_interval,
         )?;
+        // The interval in force, whoever set it: the keep-alive is derived
+        // from it.
+        let max_poll_interval = config
+            .get("max.poll.interval.ms")
+            .and_then(|value| value.trim().parse::<u64>().ok())
+            .map_or(DEFAULT_MAX_POLL_INTERVAL, Duration::from_millis);
         let timeout = Duration::from_millis(settings.request_timeout_ms);
         let context = QueueContext::new(&options.topic, timeout);
         let consumer: BaseConsumer<QueueContext> = config
@@ -178,6 +199,7 @@ impl ArrayConsumer {
             topic: options.topic.clone(),
             timeout,
             commit_metadata: options.commit_metadata.as_deref().map(Arc::from),
+            keep_alive_every: (max_poll_interval / 5).max(Duration::from_millis(100)),
         })
     }
 
@@ -218,16 +240,18 @@ impl ArrayConsumer {
         self.consumer.resume(&resume).map_err(QueueError::Consume)?;
         let mut state = self.consumer.context().lock();
         for partition in partitions {
-            state.paused.remove(partition);
+            state.unserved.remove(partition);
             state.at_end.remove(partition);
         }
         Ok(())
     }
 
-    /// Stops fetching `partitions` (assigned ones) until they are revoked or
-    /// the consumer is closed: partitions the caller holds but cannot serve.
-    /// A paused partition does not hold back [`Array::caught_up`].
-    pub fn pause(&self, partitions: &[i32]) -> Result<(), QueueError> {
+    /// Stops fetching `partitions` (assigned ones) until they are revoked,
+    /// resumed ([`resume_from_commit_points`](Self::resume_from_commit_points))
+    /// or the consumer is closed: partitions the caller holds but cannot
+    /// serve. They do not hold back [`Array::caught_up`], and a keep-alive
+    /// leaves them paused.
+    pub fn hold(&self, partitions: &[i32]) -> Result<(), QueueError> {
         let mut list = TopicPartitionList::new();
         for &partition in partitions {
             list.add_partition(&self.topic, partition);
@@ -237,7 +261,7 @@ impl ArrayConsumer {
         self.consumer
             .context()
             .lock()
-            .paused
+            .unserved
             .extend(partitions.iter().copied());
         Ok(())
     }
@@ -479,6 +503,16 @@ fn read_array(
     let deadline = started + max_wait;
     let mut messages: Vec<InMessage> = Vec::with_capacity(max.min(65_536));
     let mut rebalances = Vec::new();
+    // What a keep-alive left: its deferred callbacks, then what it held.
+    consumer.context().apply_deferred(consumer);
+    {
+        let mut state = consumer.context().lock();
+        if let Some(error) = state.held_error.take() {
+            return Err(QueueError::Consume(error));
+        }
+        messages.append(&mut state.held);
+    }
+    take_rebalance_events(consumer, &mut messages, &mut rebalances)?;
     let end = loop {
         if messages.len() >= max {
             break ArrayEnd::Full;

@@ -12,6 +12,14 @@
 //! commit point of every owned partition, moved or not, so the broker checks
 //! every transaction against the group's generation.
 //!
+//! While the caller works on an array, a keep-alive (`consumer.rs`,
+//! [`KeepAlive`](crate::KeepAlive)) polls to stay in the group; a rebalance
+//! callback it serves is not applied then but kept ([`DeferredRebalance`])
+//! and applied by the next read, first thing. librdkafka waits for the
+//! assign/unassign call (its WAIT_ASSIGN_CALL / WAIT_UNASSIGN_CALL states,
+//! heartbeating meanwhile), so the assignment still changes only inside
+//! `next_array`, as the commits rely on.
+//!
 //! With `statistics.interval.ms` set, librdkafka's statistics arrive here too
 //! (on the same polling thread): each assigned partition's high watermark,
 //! last stable offset and position are kept for the lag metrics, at no cost
@@ -66,9 +74,32 @@ pub(crate) struct AssignmentState {
     /// The metadata committed beside each assigned partition's offset, read
     /// at assignment (absent: none).
     pub committed_metadata: BTreeMap<i32, String>,
-    /// Assigned partitions the caller paused (it holds them, cannot serve
-    /// them): they do not hold back `caught_up`.
+    /// Assigned partitions the caller holds and cannot serve (paused, see
+    /// `ArrayConsumer::hold`): they do not hold back `caught_up`, and a
+    /// keep-alive neither pauses nor resumes them.
+    pub unserved: BTreeSet<i32>,
+    /// True while a keep-alive polls: rebalance callbacks are deferred.
+    pub keeping_alive: bool,
+    /// Rebalance callbacks a keep-alive poll served, in order, for the next
+    /// read to apply.
+    pub deferred: Vec<DeferredRebalance>,
+    /// Partitions a keep-alive paused (resumed when it stops).
     pub paused: BTreeSet<i32>,
+    /// Messages a keep-alive poll received (none is expected: it pauses
+    /// every assigned partition first): the next read hands them out first.
+    pub held: Vec<crate::InMessage>,
+    /// An error a keep-alive poll received, surfaced by the next read.
+    pub held_error: Option<KafkaError>,
+}
+
+/// A rebalance callback served by a keep-alive poll, applied by the next
+/// read: what librdkafka asked, on which partitions, and whether the
+/// assignment was lost (judged when the callback came).
+#[derive(Debug)]
+pub(crate) struct DeferredRebalance {
+    kind: RDKafkaRespErr,
+    partitions: TopicPartitionList,
+    lost: bool,
 }
 
 /// Where one partition stands, from librdkafka's statistics.
@@ -133,10 +164,9 @@ impl PartitionProgress {
 impl AssignmentState {
     pub fn caught_up(&self) -> bool {
         self.joined
-            && self
-                .assigned
-                .keys()
-                .all(|partition| self.at_end.contains(partition) || self.paused.contains(partition))
+            && self.assigned.keys().all(|partition| {
+                self.at_end.contains(partition) || self.unserved.contains(partition)
+            })
     }
 }
 
@@ -262,12 +292,28 @@ impl ClientContext for QueueContext {
     }
 }
 
-impl ConsumerContext for QueueContext {
-    fn rebalance(
+impl QueueContext {
+    /// Applies the rebalance callbacks a keep-alive deferred, in order: what
+    /// the callback would have done then. Called by a read, on the polling
+    /// thread, before it polls.
+    pub(crate) fn apply_deferred(&self, consumer: &BaseConsumer<Self>) {
+        let deferred = std::mem::take(&mut self.lock().deferred);
+        for mut rebalance in deferred {
+            self.apply_rebalance(
+                consumer,
+                rebalance.kind,
+                &mut rebalance.partitions,
+                rebalance.lost,
+            );
+        }
+    }
+
+    fn apply_rebalance(
         &self,
         consumer: &BaseConsumer<Self>,
         error: RDKafkaRespErr,
         partitions: &mut TopicPartitionList,
+        lost: bool,
     ) {
         let cooperative = matches!(
             consumer.rebalance_protocol(),
@@ -296,7 +342,7 @@ impl ConsumerContext for QueueContext {
                 if !cooperative {
                     state.assigned.clear();
                     state.commit_points.clear();
-                    state.paused.clear();
+                    state.unserved.clear();
                     state.committed_metadata.clear();
                 }
                 for &partition in &numbers {
@@ -308,7 +354,7 @@ impl ConsumerContext for QueueContext {
                         Some(&start) => state.commit_points.insert(partition, start),
                         None => state.commit_points.remove(&partition),
                     };
-                    state.paused.remove(&partition);
+                    state.unserved.remove(&partition);
                     match metadata.get(&partition) {
                         Some(text) => state.committed_metadata.insert(partition, text.clone()),
                         None => state.committed_metadata.remove(&partition),
@@ -319,7 +365,6 @@ impl ConsumerContext for QueueContext {
                 state.pending_events.push(RebalanceEvent::Assigned(numbers));
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                let lost = consumer.assignment_lost();
                 {
                     let mut state = self.lock();
                     for partition in &numbers {
@@ -327,8 +372,12 @@ impl ConsumerContext for QueueContext {
                         state.commit_points.remove(partition);
                         state.at_end.remove(partition);
                         state.paused.remove(partition);
+                        state.unserved.remove(partition);
                         state.committed_metadata.remove(partition);
                     }
+                    state
+                        .held
+                        .retain(|message| !numbers.contains(&message.partition));
                     tracing::info!(partitions = ?numbers, lost, "partitions revoked");
                     state.pending_events.push(RebalanceEvent::Revoked {
                         partitions: numbers,
@@ -352,6 +401,36 @@ impl ConsumerContext for QueueContext {
                 }
             }
         }
+    }
+}
+
+impl ConsumerContext for QueueContext {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        error: RDKafkaRespErr,
+        partitions: &mut TopicPartitionList,
+    ) {
+        let lost = error == RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS
+            && consumer.assignment_lost();
+        {
+            let mut state = self.lock();
+            if state.keeping_alive {
+                tracing::info!(
+                    kind = ?error,
+                    partitions = partitions.count(),
+                    lost,
+                    "rebalance deferred until the array in hand is committed"
+                );
+                state.deferred.push(DeferredRebalance {
+                    kind: error,
+                    partitions: partitions.clone(),
+                    lost,
+                });
+                return;
+            }
+        }
+        self.apply_rebalance(consumer, error, partitions, lost);
     }
 }
 

@@ -11,6 +11,8 @@
 //!   and [`ArrayConsumer::commit_in_transaction`] (offsets inside a producer
 //!   transaction with the group metadata, so a fenced or stale member cannot
 //!   commit).
+//! - [`ArrayConsumer::keep_alive`] keeps a member in its group while it works
+//!   on an array for longer than `max.poll.interval.ms`.
 //!
 //! Array does not imply bulk unless it is bulk underneath: librdkafka batches
 //! produce requests and prefetches fetches, one transaction ends per array and
@@ -25,6 +27,7 @@ mod context;
 mod describe;
 mod error;
 mod group_commit;
+mod keep_alive;
 mod message;
 mod plain;
 mod producer;
@@ -44,6 +47,7 @@ pub use context::{PartitionProgress, RebalanceEvent};
 pub use describe::{TopicIdentity, describe_topic, describe_topic_blocking, partition_for_key};
 pub use error::{QueueError, is_fencing_error, is_transient};
 pub use group_commit::{ArrayEnqueuer, GroupCommitLimits, TransactionObserver, TransactionReport};
+pub use keep_alive::KeepAlive;
 pub use message::{InMessage, MessageId, OutMessage};
 pub use plain::send_acknowledged;
 pub use producer::{

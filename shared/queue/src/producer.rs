@@ -825,7 +825,8 @@ impl Inner {
     /// group coordinator moved) returns without setting the result: the call
     /// then never returns, and the worker stood still with its consumer's
     /// poll lock held (a three-broker fault test caught it in a gdb dump).
-    /// So the call runs on a thread of its own, waited for the timeout plus
+    /// So the call runs on a thread of its own, waited for the timeout (at
+    /// most the transaction timeout, which librdkafka caps the call at) plus
     /// [`SEND_OFFSETS_GRACE`]. Past that the producer is marked unusable:
     /// every later transactional call would conflict with the stuck one. The
     /// commit was never asked for, so nothing of the transaction can become
@@ -855,7 +856,10 @@ impl Inner {
                     RDKafkaErrorCode::Fail,
                 ))
             })?;
-        match answer.recv_timeout(timeout + SEND_OFFSETS_GRACE) {
+        // librdkafka caps the call at what is left of the transaction
+        // timeout: an answer that has not come by then never will.
+        let patience = timeout.min(self.transaction_timeout) + SEND_OFFSETS_GRACE;
+        match answer.recv_timeout(patience) {
             Ok(sent) => sent.map_err(|error| match self.classify(error) {
                 QueueError::TransactionAborted(error) if refused_by_the_group(&error) => {
                     QueueError::GroupRefused(error)
@@ -866,7 +870,7 @@ impl Inner {
                 let error = KafkaError::MessageProduction(RDKafkaErrorCode::OperationTimedOut);
                 tracing::error!(
                     transactional_id = %self.transactional_id,
-                    waited_ms = (timeout + SEND_OFFSETS_GRACE).as_millis() as u64,
+                    waited_ms = patience.as_millis() as u64,
                     "librdkafka's send_offsets_to_transaction did not return; \
                      the producer is replaced (its transaction ends with the replacement)"
                 );

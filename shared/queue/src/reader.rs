@@ -314,6 +314,16 @@ impl PartitionReader {
     /// (a connection still being re-established after a broker restart, a
     /// leader moving) until `deadline`: the client's state from before is
     /// not the broker's answer.
+    ///
+    /// Before asking again it refreshes the topic's metadata. librdkafka
+    /// sends the request to the leader its cached metadata names, even a
+    /// broker that is down (its leader look-up takes a broker in any
+    /// state), and a request queued for a dead broker waits its whole
+    /// timeout; nothing else refreshes that cache when the controller moves
+    /// the leadership. Without the refresh every attempt went to the dead
+    /// broker until the deadline: a take-over's watermark load gave up after
+    /// `kafka.request_timeout_ms` and the worker's session restarted
+    /// (`tests/integration/three_brokers.rs`).
     fn ask(
         &self,
         client: &BaseConsumer<QuietAboutTheEnd>,
@@ -330,19 +340,16 @@ impl PartitionReader {
                     .min(remaining.max(Duration::from_millis(100))),
             ) {
                 Ok(watermarks) => return Ok(watermarks),
-                Err(source) if is_transient(&source) && !remaining.is_zero() => {
-                    tracing::debug!(error = %source, "watermark request failed for now; asking again");
-                    std::thread::sleep(POLL_INTERVAL);
-                }
-                // librdkafka answers this locally, without asking a broker,
-                // while its cached metadata has no leader for the partition
-                // (a leader moving); nothing refreshes that cache for minutes
-                // unless asked, so ask for the topic's metadata, then again.
-                Err(source)
-                    if source.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition)
-                        && !remaining.is_zero() =>
-                {
-                    tracing::debug!(error = %source, "no leader known for the partition; refreshing metadata");
+                // The leader dead, moving or just moved: a transient error;
+                // UnknownPartition, which librdkafka answers locally while
+                // its cached metadata has no leader for the partition;
+                // DestroyBroker, a request queued for a broker the brokers'
+                // metadata no longer lists (a dead leader, fenced); or a new
+                // leader not caught up yet (OffsetNotAvailable, a leader
+                // epoch moving). The cache may be stale: ask for the topic's
+                // metadata, then again.
+                Err(source) if leader_moving(&source) && !remaining.is_zero() => {
+                    tracing::debug!(error = %source, "watermark request failed for now; refreshing metadata and asking again");
                     if let Err(error) = client.fetch_metadata(
                         Some(topic),
                         self.call_timeout
@@ -364,6 +371,23 @@ impl PartitionReader {
     }
 }
 
+/// Whether a watermark request failed because the partition's leader is
+/// dead, moving or just moved: asked again (after a metadata refresh), it
+/// will be answered.
+fn leader_moving(error: &KafkaError) -> bool {
+    is_transient(error)
+        || matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::UnknownPartition
+                    | RDKafkaErrorCode::DestroyBroker
+                    | RDKafkaErrorCode::OffsetNotAvailable
+                    | RDKafkaErrorCode::FencedLeaderEpoch
+                    | RDKafkaErrorCode::UnknownLeaderEpoch
+            )
+        )
+}
+
 /// Reaching the end of a partition is how a read ends, not an error.
 pub struct QuietAboutTheEnd;
 
@@ -376,3 +400,28 @@ impl ClientContext for QuietAboutTheEnd {
 }
 
 impl ConsumerContext for QuietAboutTheEnd {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_moving_leader_is_asked_again_and_a_refusal_is_not() {
+        for code in [
+            RDKafkaErrorCode::OperationTimedOut,
+            RDKafkaErrorCode::NotLeaderForPartition,
+            RDKafkaErrorCode::DestroyBroker,
+            RDKafkaErrorCode::OffsetNotAvailable,
+            RDKafkaErrorCode::UnknownPartition,
+            RDKafkaErrorCode::FencedLeaderEpoch,
+        ] {
+            assert!(leader_moving(&KafkaError::MetadataFetch(code)), "{code:?}");
+        }
+        for code in [
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+        ] {
+            assert!(!leader_moving(&KafkaError::MetadataFetch(code)), "{code:?}");
+        }
+    }
+}

@@ -120,6 +120,7 @@ async fn write_watermarks(
                     window: None,
                     // Written as before logs were named: the first log's.
                     log: None,
+                    dead_letters_through: None,
                 };
                 OutMessage::new(
                     topic,
