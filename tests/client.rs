@@ -107,12 +107,7 @@ impl ApiProcess {
             .send()
             .await?;
         let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+        let retry_after = retry_after(&response);
         Ok(Answer {
             status,
             retry_after,
@@ -204,12 +199,7 @@ impl ApiProcess {
                 .await
                 .expect("cut request");
             let status = response.status().as_u16();
-            let retry_after = response
-                .headers()
-                .get(reqwest::header::RETRY_AFTER)
-                .and_then(|value| value.to_str().ok())
-                .and_then(|value| value.trim().parse::<u64>().ok())
-                .map_or(Duration::from_secs(1), Duration::from_secs);
+            let retry_after = retry_after(&response).unwrap_or(Duration::from_secs(1));
             let body: Value = response.json().await.unwrap_or(Value::Null);
             if status == 202 {
                 return body["report_id"].as_str().expect("report id").to_owned();
@@ -292,6 +282,16 @@ impl ApiProcess {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// What an answer's `Retry-After` header says, in whole seconds.
+fn retry_after(response: &reqwest::Response) -> Option<Duration> {
+    response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
 }
 
 /// One attempt of [`ApiProcess::send_until_accepted`].

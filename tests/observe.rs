@@ -104,6 +104,59 @@ pub async fn worker_metric(base: &str, name: &str) -> Option<f64> {
     found
 }
 
+impl TestStack {
+    /// Replays the whole records log through another group into another
+    /// bucket (its own watermark and event topics, `partitions` watermark
+    /// partitions), and asserts that every report of `reports` is rendered
+    /// again to the same key with the same bytes, within `limit`: every cut
+    /// is decided by the log.
+    pub async fn assert_replay_renders<'a>(
+        &self,
+        prefix: &str,
+        partitions: i32,
+        reports: impl IntoIterator<Item = (&'a String, &'a Report)>,
+        limit: Duration,
+    ) {
+        let bucket = crate::s3::TestBucket::create(&format!("{prefix}-replay")).await;
+        let watermark_settings: Vec<(&str, &str)> = std::iter::once(("cleanup.policy", "compact"))
+            .chain(quire_queue::WATERMARK_COMPACTION.iter().copied())
+            .collect();
+        let watermarks =
+            crate::TestTopic::create_with(&format!("{prefix}-rw"), partitions, &watermark_settings)
+                .await;
+        let events = crate::TestTopic::create(&format!("{prefix}-re"), 3).await;
+        let group = crate::unique(&format!("{prefix}-replay"));
+        let mut replayer = self
+            .worker("replayer")
+            .with(|settings| {
+                settings.s3.bucket = bucket.name.clone();
+                settings.kafka.topics.watermarks = watermarks.name.clone();
+                settings.kafka.topics.report_events = events.name.clone();
+                settings.worker.group_id = group.clone();
+                settings.kafka.partitions = partitions;
+            })
+            .spawn();
+        let deadline = Instant::now() + limit;
+        for (id, report) in reports {
+            let key = report.manifest["key"].as_str().expect("a manifest's key");
+            let replayed = loop {
+                if let Some(manifest) = bucket.read(&format!("manifests/{id}.json")).await {
+                    let manifest: Value = serde_json::from_slice(&manifest).expect("manifest");
+                    assert_eq!(manifest["key"].as_str(), Some(key), "{id}: the same key");
+                    break bucket.read(key).await.expect("replayed document");
+                }
+                assert!(Instant::now() < deadline, "replay did not render {id}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            };
+            assert!(
+                replayed == report.document,
+                "replay of {id} rendered other bytes"
+            );
+        }
+        replayer.kill();
+    }
+}
+
 /// A report as stored: its manifest and its document's bytes.
 #[derive(Debug, Clone)]
 pub struct Report {

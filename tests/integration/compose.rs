@@ -397,7 +397,8 @@ fn compose_init_creates_the_topics_and_the_bucket() {
         "max.compaction.lag.ms=600000",
         "retention.ms=604800000",
         "--partitions 3",
-        "RECORD_PARTITIONS: 12",
+        "QUIRE_KAFKA__PARTITIONS: ${PARTITIONS:-12}",
+        "--partitions \"$$QUIRE_KAFKA__PARTITIONS\"",
         "--aws-sigv4",
         "BucketAlreadyOwnedByYou",
     ] {

@@ -6,9 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use quire_tests::s3::TestBucket;
-use quire_tests::{TestStack, TestTopic, partition_of, records, unique};
-use serde_json::Value;
+use quire_tests::{TestStack, partition_of, records};
 use tokio_util::sync::CancellationToken;
 
 const LONG: Duration = Duration::from_secs(180);
@@ -483,43 +481,7 @@ async fn growing_12_to_16_partitions_loses_and_splits_no_report_and_a_replay_agr
     // the grown log: the same keys, the same bytes.
     worker_one.terminate(Duration::from_secs(30));
     worker_two.terminate(Duration::from_secs(30));
-    let replay_bucket = TestBucket::create("grow-replay").await;
-    let watermark_settings: Vec<(&str, &str)> = std::iter::once(("cleanup.policy", "compact"))
-        .chain(quire_queue::WATERMARK_COMPACTION.iter().copied())
-        .collect();
-    let replay_watermarks = TestTopic::create_with("grow-rw", 16, &watermark_settings).await;
-    let replay_events = TestTopic::create("grow-re", 3).await;
-    let replay_group = unique("grow-replay");
-    let mut replayer = stack
-        .worker("replayer")
-        .with(|settings| {
-            settings.s3.bucket = replay_bucket.name.clone();
-            settings.kafka.topics.watermarks = replay_watermarks.name.clone();
-            settings.kafka.topics.report_events = replay_events.name.clone();
-            settings.worker.group_id = replay_group.clone();
-            settings.kafka.partitions = 16;
-        })
-        .spawn();
-    let deadline = Instant::now() + LONG;
-    for (id, report) in &observed.reports {
-        let key = report.manifest["key"].as_str().unwrap();
-        let replayed = loop {
-            if let Some(manifest) = replay_bucket.read(&format!("manifests/{id}.json")).await {
-                let manifest: Value = serde_json::from_slice(&manifest).unwrap();
-                assert_eq!(
-                    manifest["key"].as_str(),
-                    Some(key),
-                    "replay of {id}: same key"
-                );
-                break replay_bucket.read(key).await.expect("replayed document");
-            }
-            assert!(Instant::now() < deadline, "replay did not render {id}");
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        };
-        assert!(
-            replayed == report.document,
-            "replay of {id} rendered other bytes"
-        );
-    }
-    replayer.kill();
+    stack
+        .assert_replay_renders("grow", 16, &observed.reports, LONG)
+        .await;
 }

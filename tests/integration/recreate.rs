@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use quire_tests::{TestStack, partition_of, records, sha256_hex};
+use quire_tests::{TestStack, partition_of, records, sha256_hex, worker_metric};
 use serde_json::Value;
 
 const LONG: Duration = Duration::from_secs(120);
@@ -46,18 +46,6 @@ async fn recreate(stack: &TestStack, name: &str) {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-async fn metric(base: &str, name: &str) -> Option<f64> {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(&format!("{name} ")))
-        .and_then(|value| value.trim().parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,7 +112,7 @@ async fn a_records_topic_created_again_is_a_new_log_and_no_cut_is_answered_with_
     assert_eq!(code, 410, "{body}");
     assert_eq!(body["error"]["code"], "report_log_gone", "{body}");
 
-    let stale = metric(&worker_metrics, "quire_worker_stale_watermarks_total").await;
+    let stale = worker_metric(&worker_metrics, "quire_worker_stale_watermarks_total").await;
     assert!(
         stale.is_some_and(|count| count >= 1.0),
         "the old log's watermark was ignored, and counted: {stale:?}"
@@ -164,7 +152,7 @@ async fn a_watermark_topic_created_again_is_noticed_and_its_reports_announced_ag
     let (mut worker, worker_metrics) = stack.worker("w1").spawn_monitored();
     let deadline = Instant::now() + LONG;
     loop {
-        let lost = metric(&worker_metrics, "quire_worker_watermarks_lost_total").await;
+        let lost = worker_metric(&worker_metrics, "quire_worker_watermarks_lost_total").await;
         if lost.is_some_and(|count| count >= 1.0) {
             break;
         }

@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use quire_messages::layout::RETENTION_PREFIXES;
 use quire_messages::window::{WindowSpec, parse_time};
-use quire_tests::s3::TestBucket;
-use quire_tests::{ApiProcess, Observed, TestStack, TestTopic, read_all, records, unique};
+use quire_tests::{ApiProcess, Observed, TestStack, read_all, records};
 use serde_json::{Value, json};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -339,42 +338,16 @@ async fn windows_hold_every_record_of_their_log_time_once_through_a_kill_and_a_r
 
     // A replay through another group, into another bucket, cuts at the same
     // records: the same keys and the same bytes.
-    let replay_bucket = TestBucket::create("windows-replay").await;
-    let watermark_settings: Vec<(&str, &str)> = std::iter::once(("cleanup.policy", "compact"))
-        .chain(quire_queue::WATERMARK_COMPACTION.iter().copied())
-        .collect();
-    let replay_watermarks = TestTopic::create_with("windows-rw", 12, &watermark_settings).await;
-    let replay_events = TestTopic::create("windows-re", 3).await;
-    let replay_group = unique("windows-replay");
-    let mut replayer = stack
-        .worker("replayer")
-        .with(|settings| {
-            settings.s3.bucket = replay_bucket.name.clone();
-            settings.kafka.topics.watermarks = replay_watermarks.name.clone();
-            settings.kafka.topics.report_events = replay_events.name.clone();
-            settings.worker.group_id = replay_group.clone();
-        })
-        .spawn();
-    for stream in streams {
-        for (id, report) in reports_of(&observed, stream) {
-            let key = report.manifest["key"].as_str().unwrap();
-            let deadline = Instant::now() + LONG;
-            let replayed = loop {
-                if let Some(manifest) = replay_bucket.read(&format!("manifests/{id}.json")).await {
-                    let manifest: Value = serde_json::from_slice(&manifest).unwrap();
-                    assert_eq!(manifest["key"].as_str(), Some(key), "{id}: the same key");
-                    break replay_bucket.read(key).await.expect("replayed document");
-                }
-                assert!(Instant::now() < deadline, "replay did not render {id}");
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            };
-            assert_eq!(
-                replayed, report.document,
-                "replay of {id} rendered other bytes"
-            );
-        }
-    }
-    replayer.kill();
+    stack
+        .assert_replay_renders(
+            "windows",
+            12,
+            streams
+                .iter()
+                .flat_map(|stream| reports_of(&observed, stream)),
+            LONG,
+        )
+        .await;
     drop(_successor);
 
     // Retention finds the templated documents and the window index.
