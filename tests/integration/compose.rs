@@ -339,6 +339,22 @@ fn compose_sets_only_configuration_keys_the_services_know() {
             .any(|p| scalar(p).ends_with(&format!(":{port}"))),
         "the API publishes container port {port}: {published:?}"
     );
+    // Whatever a service publishes is on the host's loopback by default.
+    for (name, service) in &services {
+        for mapping in service
+            .get("ports")
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+        {
+            let mapping = scalar(mapping);
+            assert!(
+                mapping.starts_with("127.0.0.1:")
+                    || mapping.starts_with("${QUIRE_API_BIND:-127.0.0.1}:"),
+                "{name} publishes {mapping} beyond the host's loopback"
+            );
+        }
+    }
 }
 
 #[test]

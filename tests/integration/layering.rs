@@ -4,30 +4,63 @@
 
 use std::path::Path;
 
-/// The dependency names of a manifest's `[dependencies]` table.
+/// The dependency names of a manifest's `[dependencies]` table, read with a
+/// TOML parser, so every form is seen: `name = "1"`, `name.workspace = true`,
+/// `name = { ... }` and a `[dependencies.name]` table; a renamed dependency
+/// (`package = "..."`) is named by the crate it brings.
 fn dependencies(manifest: &str) -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join(manifest);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
-    let mut names = Vec::new();
-    let mut in_dependencies = false;
-    for line in text.lines() {
-        let line = line.trim();
-        if line.starts_with('[') {
-            in_dependencies = line == "[dependencies]";
-            continue;
-        }
-        if in_dependencies
-            && let Some((name, _)) = line.split_once('=')
-            && !line.starts_with('#')
-        {
-            names.push(name.trim().trim_end_matches(".workspace").to_owned());
-        }
-    }
+    let parsed: toml::Table = text
+        .parse()
+        .unwrap_or_else(|error| panic!("{manifest} is not TOML: {error}"));
+    let names = dependency_names(&parsed);
     assert!(!names.is_empty(), "{manifest} lists no dependencies");
     names
+}
+
+fn dependency_names(manifest: &toml::Table) -> Vec<String> {
+    let Some(table) = manifest.get("dependencies").and_then(toml::Value::as_table) else {
+        return Vec::new();
+    };
+    table
+        .iter()
+        .map(|(name, spec)| {
+            spec.get("package")
+                .and_then(toml::Value::as_str)
+                .unwrap_or(name)
+                .to_owned()
+        })
+        .collect()
+}
+
+#[test]
+fn every_form_of_a_dependency_is_seen() {
+    let manifest: toml::Table = r#"
+        [dependencies]
+        plain = "1"
+        tokio.workspace = true
+        inline = { version = "1", features = ["x"] }
+        kafka = { package = "rdkafka", version = "0.39" }
+
+        [dependencies.table-form]
+        version = "2"
+
+        [dev-dependencies]
+        only-in-tests = "1"
+    "#
+    .parse()
+    .unwrap();
+    let mut names = dependency_names(&manifest);
+    names.sort();
+    assert_eq!(
+        names,
+        ["inline", "plain", "rdkafka", "table-form", "tokio"],
+        "dev-dependencies are not the crate's own"
+    );
 }
 
 fn assert_absent(manifest: &str, forbidden: &[&str], why: &str) {

@@ -264,6 +264,65 @@ pub enum ConfigError {
         "api.auth_tokens (plain-text tokens) was replaced by api.tokens, which holds each token's SHA-256 digest and scopes: `quire token new --name <name>` prints a token and its api.tokens line"
     )]
     PlainTokens,
+    #[error(
+        "environment variable {name} names no setting{hint} (settings are QUIRE_<SECTION>__<KEY>, two underscores between levels; docs/configuration.md lists them)"
+    )]
+    UnknownVariable { name: String, hint: String },
+}
+
+/// The sections of [`Settings`], as they begin an environment variable.
+const SECTIONS: [&str; 5] = ["LOG", "KAFKA", "S3", "API", "WORKER"];
+
+/// `QUIRE_` variables that are not settings and that quire's own tools,
+/// scripts and tests read: exact names, then prefixes.
+const OTHER_VARIABLES: [&str; 11] = [
+    "QUIRE_CONFIG",
+    // The CLI's, often exported in the shell that starts a service too.
+    "QUIRE_API_URL",
+    "QUIRE_API_TOKEN",
+    "QUIRE_API_CA_CERT",
+    // docker-compose.yml's, read from .env on the host (never inside a
+    // container), and exported with it by some shells.
+    "QUIRE_API_TOKENS",
+    "QUIRE_API_PORT",
+    "QUIRE_API_BIND",
+    "QUIRE_DOWNLOAD_URL_ENDPOINT",
+    "QUIRE_DOWNLOAD_URL_EXPIRY_MS",
+    "QUIRE_WORKER_FAILPOINT",
+    "QUIRE_SOAK_SECONDS",
+];
+const OTHER_PREFIXES: [&str; 4] = [
+    "QUIRE_STACK_",
+    "QUIRE_DOCKER_",
+    "QUIRE_TEST_",
+    "QUIRE_S3_TEST_",
+];
+
+/// Refuses a `QUIRE_` variable that is neither a setting
+/// (`QUIRE_<SECTION>__<KEY>`) nor one of quire's other variables, so a typo
+/// such as `QUIRE_API_LISTEN` (one underscore) stops the service instead of
+/// leaving the default in force. A variable that names a setting with a
+/// wrong key is refused by the settings' own unknown-key check.
+fn check_variable(name: &str) -> Result<(), ConfigError> {
+    if !name.starts_with("QUIRE_")
+        || is_setting_variable(name)
+        || OTHER_VARIABLES.contains(&name)
+        || OTHER_PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+    {
+        return Ok(());
+    }
+    let rest = &name["QUIRE_".len()..];
+    let hint = SECTIONS
+        .iter()
+        .find_map(|section| {
+            let key = rest.strip_prefix(section)?.strip_prefix('_')?;
+            (!key.is_empty()).then(|| format!("; did you mean QUIRE_{section}__{key}?"))
+        })
+        .unwrap_or_default();
+    Err(ConfigError::UnknownVariable {
+        name: name.to_owned(),
+        hint,
+    })
 }
 
 /// Loads the settings: defaults, then `file` if given, then `QUIRE_` environment
@@ -279,13 +338,16 @@ pub fn load_with(
     file: Option<&Path>,
     variables: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Settings, ConfigError> {
-    // Only QUIRE_<SECTION>__<KEY> names are configuration; other QUIRE_
-    // variables (QUIRE_CONFIG, the stack script's QUIRE_STACK_*) are not,
-    // and must not trip the unknown-key check.
-    let settings_variables = variables
-        .into_iter()
-        .filter(|(name, _)| is_setting_variable(name))
-        .collect();
+    // Only QUIRE_<SECTION>__<KEY> names are configuration; quire's other
+    // QUIRE_ variables (QUIRE_CONFIG, the stack script's QUIRE_STACK_*) are
+    // passed over, and any other QUIRE_ name is refused as a typo.
+    let mut settings_variables = config::Map::new();
+    for (name, value) in variables {
+        check_variable(&name)?;
+        if is_setting_variable(&name) {
+            settings_variables.insert(name, value);
+        }
+    }
     load_from(
         file,
         Some(config::Environment::with_prefix("QUIRE").source(Some(settings_variables))),
@@ -404,15 +466,48 @@ mod tests {
         );
     }
 
+    fn variables(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+            .collect()
+    }
+
+    // Tests hand their variables to load_with: setting the process's
+    // environment while another test reads it is undefined behaviour.
     #[test]
-    fn other_quire_variables_are_not_configuration() {
-        // SAFETY (edition 2024 makes set_var unsafe): this test is the only
-        // one of this crate that touches the environment.
-        unsafe {
-            std::env::set_var("QUIRE_STACK_KAFKA_PORT", "1");
-            std::env::set_var("QUIRE_CONFIG", "/nowhere");
-        }
-        load(None).expect("single-underscore QUIRE_ variables are ignored");
+    fn quires_other_variables_are_not_configuration() {
+        let settings = load_with(
+            None,
+            variables(&[
+                ("QUIRE_STACK_KAFKA_PORT", "1"),
+                ("QUIRE_CONFIG", "/nowhere"),
+                ("QUIRE_API_TOKEN", "not a setting"),
+                ("QUIRE_TEST_BINARY_DIR", "/tmp"),
+                ("QUIRE_WORKER__MAX_RECORDS", "7"),
+                ("PATH", "/bin"),
+            ]),
+        )
+        .expect("quire's other variables are passed over");
+        assert_eq!(settings.worker.max_records, 7);
+    }
+
+    #[test]
+    fn a_quire_variable_that_names_no_setting_is_refused_with_the_setting_it_resembles() {
+        let error = load_with(None, variables(&[("QUIRE_API_LISTEN", "0.0.0.0:80")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("QUIRE_API_LISTEN"), "{error}");
+        assert!(error.contains("did you mean QUIRE_API__LISTEN?"), "{error}");
+        assert!(
+            !error.contains("0.0.0.0"),
+            "the value is not echoed: {error}"
+        );
+        let error = load_with(None, variables(&[("QUIRE_LISTEN", "x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("names no setting"), "{error}");
+        assert!(!error.contains("did you mean"), "{error}");
     }
 
     #[test]
