@@ -2,10 +2,10 @@
 //! takes its part of [`AppState`] (axum's `FromRef`), never the whole, so
 //! a reader sees at its signature what it can touch.
 //!
-//! - [`Publishing`]: the routes that publish (records, cuts, definitions);
-//! - [`Reports`]: the report look-ups and downloads;
-//! - [`ReadinessSources`]: `/readyz`;
-//! - [`Gate`]: admission in front of the publishing routes;
+//! - [`Publishing`], for the routes that publish (records, cuts, definitions);
+//! - [`Reports`], for the report look-ups and downloads;
+//! - [`ReadinessSources`], for `/readyz`;
+//! - [`Gate`], for admission in front of the publishing routes;
 //! - [`Limits`] (`/v1/limits`), [`Storage`] (definitions' reads) and
 //!   [`MetricsOnly`] (`/metrics`).
 

@@ -217,7 +217,8 @@ mod tests {
     fn every_limit_at_zero_is_refused_before_anything_connects() {
         let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
         assert!(check(&quire_config::defaults(), loopback).is_ok());
-        let zeroes: [(&str, fn(&mut Settings)); 10] = [
+        type ZeroIt = fn(&mut Settings);
+        let zeroes: [(&str, ZeroIt); 10] = [
             ("max_body_bytes", |s| s.api.max_body_bytes = 0),
             ("max_record_bytes", |s| s.api.max_record_bytes = 0),
             ("max_records_per_request", |s| {
