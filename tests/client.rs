@@ -6,9 +6,24 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::services::ApiProcess;
+/// A producer API the test talks to, wherever it runs: a child process
+/// ([`crate::ApiProcess`]) or this process ([`crate::InProcessApi`]), both
+/// of which dereference to it.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    /// `http://127.0.0.1:{port}`.
+    pub base: String,
+    pub http: reqwest::Client,
+}
 
-impl ApiProcess {
+impl ApiClient {
+    pub fn new(base: String) -> ApiClient {
+        ApiClient {
+            base,
+            http: reqwest::Client::new(),
+        }
+    }
+
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.base
@@ -294,7 +309,7 @@ fn retry_after(response: &reqwest::Response) -> Option<Duration> {
         .map(Duration::from_secs)
 }
 
-/// One attempt of [`ApiProcess::send_until_accepted`].
+/// One attempt of [`ApiClient::send_until_accepted`].
 #[derive(Debug, Clone)]
 pub struct Attempt {
     pub sent_at: Instant,

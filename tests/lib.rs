@@ -359,10 +359,11 @@ pub mod services;
 pub mod stack;
 pub mod tls;
 
-pub use client::{Answer, Attempt, NoAnswer};
+pub use client::{Answer, ApiClient, Attempt, NoAnswer};
 pub use observe::{Observed, Report, worker_metric};
 pub use services::{
-    ApiProcess, InProcessWorker, Launch, Service, WorkerProcess, environment_of, release_binary,
+    ApiProcess, InProcessApi, InProcessWorker, Launch, Service, WorkerProcess, environment_of,
+    release_binary,
 };
 pub use stack::{TestStack, partition_of, records};
 

@@ -1,6 +1,9 @@
 //! The services of a [`TestStack`] as the tests and benchmarks start them:
-//! the real release binaries as child processes (or the report generator
-//! in process), configured through typed [`Settings`].
+//! the real release binaries as child processes, or the libraries in this
+//! process (zero2prod's `spawn_app`), configured through typed [`Settings`].
+//! A test that kills or signals a service, or runs another build of it
+//! (`QUIRE_TEST_BINARY_DIR`), needs the process; any other may start the
+//! service in process, which is quicker and shares the test's runtime.
 //!
 //! A [`Launch`] is the one place a service's command is built: the typed
 //! settings become the `QUIRE_<SECTION>__<KEY>` variables the service
@@ -8,6 +11,7 @@
 //! variables are not inherited, so a test's broker or bucket is the one its
 //! settings name, whatever the shell exported.
 
+use std::ops::Deref;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,7 +19,9 @@ use std::time::{Duration, Instant};
 use quire_config::{LogFormat, Settings};
 use report_generator::{Application, Mode, RunSummary, WorkerError};
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
+use crate::client::ApiClient;
 use crate::stack::TestStack;
 
 /// The producer API or the report generator.
@@ -67,6 +73,12 @@ impl TestStack {
     /// [`Launch::start_api`].
     pub async fn start_api(&self) -> ApiProcess {
         self.api().start_api().await
+    }
+
+    /// Starts the producer API with this stack's settings in this process;
+    /// see [`Launch::start_api_in_process`].
+    pub async fn start_api_in_process(&self) -> InProcessApi {
+        self.api().start_api_in_process().await
     }
 
     /// Starts a report generator in this process, as `main.rs` does
@@ -198,8 +210,7 @@ impl Launch {
             .map_err(|error| format!("cannot start producer-api: {error}"))?;
         let mut api = ApiProcess {
             child,
-            base: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
+            client: ApiClient::new(format!("http://127.0.0.1:{port}")),
         };
         let started = Instant::now();
         loop {
@@ -225,6 +236,35 @@ impl Launch {
         self.try_start_api(Duration::from_secs(60))
             .await
             .unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// Starts the producer API in this process, as `main.rs` does
+    /// (`Application::build`, then `run_until`), on a free loopback port;
+    /// returns once it is bound and connected (it answers from then on).
+    /// What only a process has (variables, a log file, another binary) is
+    /// refused: such a test needs [`start_api`](Self::start_api).
+    pub async fn start_api_in_process(mut self) -> InProcessApi {
+        assert_eq!(
+            self.service,
+            Service::Api,
+            "start_api_in_process of a worker"
+        );
+        assert!(
+            self.variables.is_empty() && self.log.is_none() && self.binary.is_none(),
+            "variables, a log file or another binary need the API's process (start_api)"
+        );
+        self.settings.api.listen = "127.0.0.1:0".into();
+        let application = producer_api::Application::build(self.settings)
+            .await
+            .expect("the producer api starts");
+        let client = ApiClient::new(format!("http://127.0.0.1:{}", application.port()));
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(application.run_until(stop.clone().cancelled_owned()));
+        InProcessApi {
+            client,
+            stop,
+            run: Some(run),
+        }
     }
 
     /// Starts a report generator.
@@ -343,12 +383,19 @@ fn every_variable_of(settings: &Settings) -> Vec<(String, String)> {
     out
 }
 
-/// A producer API child process, killed when dropped; its requests are in
-/// [`crate::client`].
+/// A producer API child process, killed when dropped; its requests are
+/// [`ApiClient`]'s, to which it dereferences.
 pub struct ApiProcess {
     pub(crate) child: Child,
-    pub base: String,
-    pub http: reqwest::Client,
+    client: ApiClient,
+}
+
+impl Deref for ApiProcess {
+    type Target = ApiClient;
+
+    fn deref(&self) -> &ApiClient {
+        &self.client
+    }
 }
 
 impl ApiProcess {
@@ -367,6 +414,44 @@ impl Drop for ApiProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A producer API running in the test's process (its tasks on the test's
+/// runtime: a test that blocks its thread needs a multi-threaded runtime).
+/// Dropping it cancels its token: it stops taking connections and stops its
+/// background loops. Its requests are [`ApiClient`]'s, to which it
+/// dereferences.
+pub struct InProcessApi {
+    client: ApiClient,
+    stop: CancellationToken,
+    run: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Deref for InProcessApi {
+    type Target = ApiClient;
+
+    fn deref(&self) -> &ApiClient {
+        &self.client
+    }
+}
+
+impl InProcessApi {
+    /// Cancels its token (what SIGTERM does to the binary) and waits
+    /// (bounded) until it has stopped serving.
+    pub async fn stop(mut self, limit: Duration) -> std::io::Result<()> {
+        self.stop.cancel();
+        let run = self.run.take().expect("stopped once");
+        tokio::time::timeout(limit, run)
+            .await
+            .unwrap_or_else(|_| panic!("the in-process api did not stop within {limit:?}"))
+            .expect("the api task ended without a panic")
+    }
+}
+
+impl Drop for InProcessApi {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
 }
 

@@ -46,7 +46,7 @@ fn sequence_numbers(bodies: &[Value]) -> Vec<u64> {
 #[tokio::test]
 async fn a_retry_through_an_encoded_stream_path_is_a_replay() {
     let stack = TestStack::create("api-idem-path").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
     let stream = unique("idem");
     let encoded = format!("%69{}", &stream[1..]);
     let array = json!(records(&stream, 0, 5));
@@ -74,7 +74,7 @@ async fn a_retry_through_an_encoded_stream_path_is_a_replay() {
 #[tokio::test]
 async fn a_retried_array_is_answered_once_and_published_once() {
     let stack = TestStack::create("api-idem").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
     let stream = unique("idem");
     let path = format!("/v1/streams/{stream}/records");
     let array = json!(records(&stream, 0, 25));
@@ -116,7 +116,7 @@ async fn a_retried_array_is_answered_once_and_published_once() {
 #[tokio::test]
 async fn a_retried_cut_is_one_marker_with_one_report_id() {
     let stack = TestStack::create("api-cut").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
     let stream = unique("cut");
     let path = format!("/v1/streams/{stream}/reports");
     let (status, headers, first) = api.post(&path, &Value::Null, Some(b"cut-1")).await;
@@ -139,7 +139,7 @@ async fn a_retried_cut_is_one_marker_with_one_report_id() {
 #[tokio::test]
 async fn invalid_idempotency_keys_are_400_and_publish_nothing() {
     let stack = TestStack::create("api-keys").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
     let stream = unique("keys");
     let path = format!("/v1/streams/{stream}/records");
     let array = json!(records(&stream, 0, 2));
@@ -321,7 +321,7 @@ fn documented_operations(document: &Value) -> BTreeMap<(String, String), BTreeSe
 #[tokio::test]
 async fn the_openapi_document_is_served_and_matches_the_routes() {
     let stack = TestStack::create("api-openapi").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
 
     let served_yaml = api
         .http
@@ -983,7 +983,7 @@ async fn made_up_methods_and_paths_do_not_grow_the_metrics() {
 #[tokio::test]
 async fn a_record_with_a_key_named_twice_is_refused_and_nothing_is_published() {
     let stack = TestStack::create("api-duplicates").await;
-    let api = stack.start_api().await;
+    let api = stack.start_api_in_process().await;
     let stream = unique("dup");
     let response = api
         .http

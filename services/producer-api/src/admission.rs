@@ -26,6 +26,8 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use backon::{ExponentialBuilder, Retryable};
+use tokio_util::sync::CancellationToken;
 
 use crate::auth;
 use crate::body::{InFlightBytes, read_body_reserving};
@@ -50,6 +52,8 @@ pub struct Gate {
     pub tokens_enabled: bool,
     /// The answers of every replica in Kafka (none in unit tests).
     pub key_log: Option<Arc<KeyLog>>,
+    /// Stops the background reads of unknown outcomes (the API is stopping).
+    pub stop: CancellationToken,
 }
 
 /// Which admission a route gets.
@@ -151,6 +155,7 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
         return Err(ApiError::KafkaUnavailable(reason));
     }
     let method = parts.method.clone();
+    let stop = state.stop.clone();
     let mut request = Request::from_parts(parts, Body::from(body));
     request.extensions_mut().insert(keyed);
     // The request runs to its end even if the client goes away, so an array
@@ -166,7 +171,7 @@ async fn admit(state: Gate, request: Request, next: Next) -> Result<Response, Ap
             Some(unsettled) => {
                 // The key stays (409 to retries) until the log tells.
                 claim.settling();
-                tokio::spawn(settle_in_background(claim, unsettled));
+                tokio::spawn(settle_in_background(claim, unsettled, stop));
                 response
             }
             None => remember(claim, response).await,
@@ -183,17 +188,30 @@ const SETTLE_PAUSE: (Duration, Duration) = (Duration::from_millis(500), Duration
 
 /// Reads the log until the outcome is known, then remembers the answer the
 /// request would have had (committed), or forgets the key (aborted:
-/// nothing was published, a retry may publish).
-async fn settle_in_background(claim: idempotency::Claim, unsettled: idempotency::Unsettled) {
-    let mut pause = SETTLE_PAUSE.0;
-    loop {
-        if let Some(answer) = (unsettled.settle)().await {
-            tracing::info!(status = %answer.status(), "an unknown commit outcome was settled; its Idempotency-Key now answers it");
-            remember(claim, answer).await;
-            return;
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(SETTLE_PAUSE.1);
+/// nothing was published, a retry may publish). Stops at `stop` (the key
+/// is then forgotten with the process).
+async fn settle_in_background(
+    claim: idempotency::Claim,
+    unsettled: idempotency::Unsettled,
+    stop: CancellationToken,
+) {
+    /// The log could not tell yet.
+    struct NotYet;
+    let settled = (|| async { (unsettled.settle)().await.ok_or(NotYet) })
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(SETTLE_PAUSE.0)
+                .with_max_delay(SETTLE_PAUSE.1)
+                .without_max_times(),
+        )
+        .sleep(tokio::time::sleep);
+    let answer = tokio::select! {
+        () = stop.cancelled() => return,
+        answer = settled => answer,
+    };
+    if let Ok(answer) = answer {
+        tracing::info!(status = %answer.status(), "an unknown commit outcome was settled; its Idempotency-Key now answers it");
+        remember(claim, answer).await;
     }
 }
 
@@ -290,6 +308,7 @@ mod tests {
             body_read_timeout: Duration::from_secs(5),
             tokens_enabled: false,
             key_log: None,
+            stop: CancellationToken::new(),
         };
         let calls = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&calls);

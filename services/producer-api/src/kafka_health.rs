@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use crate::log_reader::LogReader;
 use crate::metrics::Metrics;
 
@@ -73,26 +75,28 @@ impl KafkaHealth {
     }
 }
 
-/// Starts the check loop on the current runtime; it runs for the life of the
-/// process.
-pub fn spawn_watcher(
+/// Checks Kafka every `interval` (with that as the check's timeout) and
+/// records the verdict in `health`, until `stop`.
+pub async fn run(
     health: Arc<KafkaHealth>,
     log: Arc<LogReader>,
     metrics: Arc<Metrics>,
     interval: Duration,
+    stop: CancellationToken,
 ) {
-    tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            let outcome = log
-                .check_reachable(interval)
-                .await
-                .map_err(|error| error.to_string());
-            health.record(outcome, &metrics);
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = ticks.tick() => {}
         }
-    });
+        let outcome = tokio::select! {
+            () = stop.cancelled() => return,
+            outcome = log.check_reachable(interval) => outcome.map_err(|error| error.to_string()),
+        };
+        health.record(outcome, &metrics);
+    }
 }
 
 #[cfg(test)]

@@ -3,22 +3,24 @@
 //! commit), cuts, definitions, report status and download.
 //!
 //! [`Application::build`] binds the listener first (port 0 picks a free
-//! one), checks the topics, connects the producers and returns an
-//! application that [`Application::run_until_stopped`] serves until SIGTERM
-//! or ctrl-c. Routes are listed in [`routes::ROUTES`] (and described by
-//! `openapi.yaml`, served at `/openapi.yaml` and `/openapi.json`); errors,
-//! and their HTTP status codes, in [`errors::ApiError`]. What runs before a
-//! publishing route's handler (in-flight bytes, `Idempotency-Key`, the Kafka
-//! gate) is in [`admission`]; reading bodies and their in-flight bytes in
-//! [`body`].
+//! one), checks every setting, then connects (topics, producers, the log's
+//! readers, S3), then starts the background loops, each with the
+//! application's `CancellationToken`; [`Application::run_until_stopped`]
+//! serves until SIGTERM or ctrl-c and cancels them. Routes are listed in
+//! [`routes::ROUTES`] (and described by `openapi.yaml`, served at
+//! `/openapi.yaml` and `/openapi.json`); errors, and their HTTP status
+//! codes, in [`errors::ApiError`]. What runs before a publishing route's
+//! handler (in-flight bytes, `Idempotency-Key`, the Kafka gate) is in
+//! [`admission`]; reading bodies and their in-flight bytes in [`body`].
 //!
 //! The modules import one way: `body`, `auth`, `idempotency`, `validation`,
 //! `storage` and `log_reader` know only `errors`; `metrics` knows nothing of
 //! the state; `kafka_health` and `publish` build on those; `admission`
 //! takes a narrow [`admission::Gate`]; `placement` routes each stream to
 //! its partition by the recorded layout and names the log of report ids;
-//! `state` gathers everything for the
-//! handlers in `routes`, and `startup` wires it all.
+//! `state` cuts what the handlers share into the parts each takes
+//! ([`state::Publishing`], [`state::Reports`], ...); `routes` holds the
+//! handlers and builds the router; and `startup` wires it all.
 
 pub mod admission;
 pub mod auth;

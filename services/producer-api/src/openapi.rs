@@ -1,7 +1,8 @@
 //! The API's OpenAPI 3.1 document: `openapi.yaml`, written by hand beside
 //! this crate, embedded in the binary and served at `GET /openapi.yaml` and
-//! (converted once) `GET /openapi.json`. A test checks that it describes
-//! exactly [`crate::routes::ROUTES`].
+//! (converted once) `GET /openapi.json`. Tests check that it describes
+//! exactly [`crate::routes::ROUTES`], and that it and the README's
+//! status-code table name every error code the API can answer.
 
 use std::sync::LazyLock;
 
@@ -146,5 +147,79 @@ mod tests {
                 "unresolved reference {target}"
             );
         }
+    }
+
+    /// Every (status, code) the one table from errors to answers
+    /// (`ApiError::kind` in errors.rs) can give, read from its source: a
+    /// code added there is seen here without a list to keep by hand.
+    fn answerable_codes() -> BTreeSet<(u16, String)> {
+        let source = include_str!("errors.rs");
+        let start = source.find("fn kind(&self)").expect("ApiError::kind");
+        let end = start + source[start..].find("\n    }\n").expect("the end of kind");
+        let statuses = [
+            ("BAD_REQUEST", 400),
+            ("UNAUTHORIZED", 401),
+            ("FORBIDDEN", 403),
+            ("NOT_FOUND", 404),
+            ("METHOD_NOT_ALLOWED", 405),
+            ("REQUEST_TIMEOUT", 408),
+            ("CONFLICT", 409),
+            ("GONE", 410),
+            ("PAYLOAD_TOO_LARGE", 413),
+            ("UNSUPPORTED_MEDIA_TYPE", 415),
+            ("UNPROCESSABLE_ENTITY", 422),
+            ("TOO_MANY_REQUESTS", 429),
+            ("INTERNAL_SERVER_ERROR", 500),
+            ("SERVICE_UNAVAILABLE", 503),
+        ];
+        let codes: BTreeSet<(u16, String)> = source[start..end]
+            .split("(S::")
+            .skip(1)
+            .map(|arm| {
+                let (name, rest) = arm.split_once(',').expect("(S::STATUS, \"code\")");
+                let status = statuses
+                    .iter()
+                    .find(|(known, _)| *known == name.trim())
+                    .unwrap_or_else(|| panic!("a status this test does not know: {name}"))
+                    .1;
+                let code = rest.split('"').nth(1).expect("a quoted code");
+                (status, code.to_owned())
+            })
+            .collect();
+        assert!(codes.len() > 40, "the table was not read: {codes:?}");
+        codes
+    }
+
+    #[test]
+    fn every_error_code_is_in_the_readme_table_and_the_document() {
+        let readme = include_str!("../README.md");
+        let document = document();
+        let enumerated: BTreeSet<String> = document["components"]["schemas"]["Error"]["properties"]
+            ["error"]["properties"]["code"]["enum"]
+            .as_array()
+            .expect("the Error schema enumerates its codes")
+            .iter()
+            .map(|code| code.as_str().expect("a code").to_owned())
+            .collect();
+        let answerable = answerable_codes();
+        for (status, code) in &answerable {
+            let row = readme
+                .lines()
+                .find(|line| line.starts_with(&format!("| {status} |")))
+                .unwrap_or_else(|| panic!("the README's status table has no {status} row"));
+            assert!(
+                row.contains(&format!("`{code}`")),
+                "the README's {status} row does not name `{code}`"
+            );
+            assert!(
+                enumerated.contains(code),
+                "openapi.yaml's Error codes do not name {code}"
+            );
+        }
+        let codes: BTreeSet<String> = answerable.into_iter().map(|(_, code)| code).collect();
+        assert_eq!(
+            enumerated, codes,
+            "openapi.yaml names exactly the codes the API can answer"
+        );
     }
 }

@@ -23,7 +23,10 @@ use quire_log::{LayoutFollower, LogError, LogIdentity};
 use quire_messages::{LogLayout, ReportId, StreamName};
 use quire_queue::TopicIdentity;
 
+use tokio_util::sync::CancellationToken;
+
 use crate::errors::ApiError;
+use crate::log_reader::LogReader;
 use crate::publish::Publisher;
 
 /// See the module documentation.
@@ -236,27 +239,31 @@ struct Read {
     producer_partitions: i32,
 }
 
-/// Refreshes `placement` every `sources.check_interval` until `stop`.
-pub fn spawn_watcher(
+/// Refreshes `placement` every `sources.check_interval` until `stop`, and
+/// tells the report look-ups (`log`) how many partitions the log has.
+pub async fn run(
     placement: Arc<Placement>,
     sources: Sources,
-    state: crate::state::AppState,
-    stop: tokio_util::sync::CancellationToken,
+    publisher: Arc<Publisher>,
+    log: Arc<LogReader>,
+    stop: CancellationToken,
 ) {
-    tokio::spawn(async move {
-        let mut ticks = tokio::time::interval(sources.check_interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                _ = ticks.tick() => {}
-            }
-            // Failures are logged when they change and shown by place().
-            if placement.refresh(&sources, &state.publisher).await.is_ok() {
-                state.log.set_partitions(placement.records_partitions());
-            }
+    let mut ticks = tokio::time::interval(sources.check_interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = ticks.tick() => {}
         }
-    });
+        let refreshed = tokio::select! {
+            () = stop.cancelled() => return,
+            refreshed = placement.refresh(&sources, &publisher) => refreshed,
+        };
+        // Failures are logged when they change and shown by place().
+        if refreshed.is_ok() {
+            log.set_partitions(placement.records_partitions());
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
+use backon::{ConstantBuilder, Retryable};
 use quire_config::{ApiSettings, KafkaSettings};
 use quire_messages::{MessageKind, StreamName, records};
 use quire_queue::{
@@ -17,6 +18,7 @@ use quire_queue::{
     QueueError, Release, TransactionObserver, TransactionalProducer,
 };
 use serde_json::value::RawValue;
+use tokio_util::sync::CancellationToken;
 
 use crate::log_reader::LogReader;
 use crate::metrics::Metrics;
@@ -25,8 +27,13 @@ use crate::metrics::Metrics;
 /// disconnection librdkafka did not report).
 const RELEASE_EVERY: Duration = Duration::from_secs(30);
 
-/// Pause between two attempts to recreate an unusable producer.
+/// Pause between two attempts to recreate an unusable producer (Kafka may
+/// be away for long: the attempts go on until it lets one through, or the
+/// API stops).
 const RECREATE_PAUSE: Duration = Duration::from_secs(1);
+
+/// One attempt in this many is logged while a producer cannot be recreated.
+const RECREATE_LOG_EVERY: u32 = 30;
 
 /// One transactional producer and its group commit.
 #[derive(Clone)]
@@ -63,6 +70,8 @@ pub struct Publisher {
     /// The fewest records partitions any producer's metadata held at the
     /// last refresh: no message is routed past it.
     partitions_known: AtomicI32,
+    /// Stops the tasks that recreate producers (the API is stopping).
+    stop: CancellationToken,
 }
 
 /// Builds the messages of the records topic.
@@ -109,12 +118,14 @@ impl Publisher {
     /// older instance with the same ids), has each commit `release` (one
     /// message to each records partition, see [`Release`]), and starts their
     /// group commit. A producer commits `release` again before its next
-    /// array whenever librdkafka saw the brokers gone.
+    /// array whenever librdkafka saw the brokers gone. The producers it
+    /// recreates later stop trying once `stop` is cancelled.
     pub async fn connect(
         kafka: &KafkaSettings,
         api: &ApiSettings,
         metrics: Arc<Metrics>,
         release_messages: Vec<OutMessage>,
+        stop: CancellationToken,
     ) -> Result<Self, QueueError> {
         let limits = GroupCommitLimits {
             // A request's array always goes whole; let a group hold several.
@@ -166,6 +177,7 @@ impl Publisher {
             factory,
             settle_within: Duration::from_millis(api.publish_timeout_ms.max(1)),
             partitions_known: AtomicI32::new(0),
+            stop,
         })
     }
 
@@ -283,7 +295,7 @@ impl Publisher {
     }
 
     /// Starts recreating every unusable producer (those not under way).
-    pub fn repair(&self) {
+    fn repair(&self) {
         for index in 0..self.slots.len() {
             if !self.slots[index].is_usable() {
                 self.recreate(index);
@@ -291,90 +303,117 @@ impl Publisher {
         }
     }
 
-    /// Starts recreating producer `index`, unless that is under way.
+    /// Starts recreating producer `index`, unless that is under way: one
+    /// attempt every [`RECREATE_PAUSE`] until Kafka lets one through, or
+    /// the API stops.
     fn recreate(&self, index: usize) {
         if self.slots[index].recreating.swap(true, Ordering::AcqRel) {
             return;
         }
         let slots = Arc::clone(&self.slots);
         let factory = Arc::clone(&self.factory);
+        let stop = self.stop.clone();
         tokio::spawn(async move {
             let slot = &slots[index];
             tracing::warn!(transactional_id = %slot.transactional_id, "recreating an unusable producer");
-            let mut attempts = 0u32;
-            loop {
-                attempts += 1;
-                match factory.connect(&slot.transactional_id).await {
-                    Ok(connected) => {
-                        // The old producer and its group-commit task end when
-                        // the last request holding them is answered.
-                        *slot.current.write().unwrap_or_else(PoisonError::into_inner) = connected;
-                        slot.recreating.store(false, Ordering::Release);
-                        factory.metrics.producer_recreated();
-                        tracing::info!(transactional_id = %slot.transactional_id, attempts, "producer recreated");
-                        return;
+            let mut failures = 0u32;
+            let retried = (|| factory.connect(&slot.transactional_id))
+                .retry(
+                    ConstantBuilder::default()
+                        .with_delay(RECREATE_PAUSE)
+                        .without_max_times(),
+                )
+                .sleep(tokio::time::sleep)
+                .notify(|error, _pause| {
+                    failures += 1;
+                    if failures == 1 || failures.is_multiple_of(RECREATE_LOG_EVERY) {
+                        tracing::warn!(transactional_id = %slot.transactional_id, attempts = failures, error = %error, "cannot recreate the producer yet; retrying");
                     }
-                    Err(error) => {
-                        if attempts == 1 || attempts.is_multiple_of(30) {
-                            tracing::warn!(transactional_id = %slot.transactional_id, attempts, error = %error, "cannot recreate the producer yet; retrying");
-                        }
-                        tokio::time::sleep(RECREATE_PAUSE).await;
-                    }
+                });
+            let connected = tokio::select! {
+                () = stop.cancelled() => {
+                    slot.recreating.store(false, Ordering::Release);
+                    return;
+                }
+                connected = retried => connected,
+            };
+            match connected {
+                Ok(connected) => {
+                    // The old producer and its group-commit task end when
+                    // the last request holding them is answered.
+                    *slot.current.write().unwrap_or_else(PoisonError::into_inner) = connected;
+                    slot.recreating.store(false, Ordering::Release);
+                    factory.metrics.producer_recreated();
+                    tracing::info!(transactional_id = %slot.transactional_id, attempts = failures + 1, "producer recreated");
+                }
+                Err(error) => {
+                    // Unreachable without a limit on the attempts; the next
+                    // upkeep round starts again.
+                    slot.recreating.store(false, Ordering::Release);
+                    tracing::warn!(transactional_id = %slot.transactional_id, error = %error, "cannot recreate the producer");
                 }
             }
         });
     }
 
-    /// Starts the task that commits the releases that are due on producers
-    /// no request uses (see [`Release`]; a producer with traffic releases
-    /// before its next array anyway): every `interval`, while
-    /// `kafka_available()`, each usable producer whose release is due (the
-    /// brokers were gone, or [`RELEASE_EVERY`] has passed) commits it. A
-    /// failed release stays due.
-    pub fn spawn_releaser(
-        &self,
+    /// Keeps the producers fit while no request uses them, every
+    /// `interval` until `stop`:
+    /// - starts recreating the unusable ones (a request does so too, before
+    ///   it publishes; `/readyz` only reports them);
+    /// - while `kafka_available()`, commits the releases that are due on
+    ///   the usable ones (see [`Release`]; a producer with traffic releases
+    ///   before its next array anyway): the brokers were gone, or
+    ///   [`RELEASE_EVERY`] has passed. A failed release stays due.
+    pub async fn run_upkeep(
+        self: Arc<Self>,
         kafka_available: impl Fn() -> bool + Send + 'static,
         interval: Duration,
+        stop: CancellationToken,
     ) {
-        let slots = Arc::clone(&self.slots);
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(interval);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut last_release = std::time::Instant::now();
-            loop {
-                ticks.tick().await;
-                if !kafka_available() {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_release = std::time::Instant::now();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            self.repair();
+            if !kafka_available() {
+                continue;
+            }
+            let periodic = last_release.elapsed() >= RELEASE_EVERY;
+            if periodic {
+                last_release = std::time::Instant::now();
+            }
+            for slot in self.slots.iter() {
+                let connected = slot
+                    .current
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                if !connected.producer.is_usable() {
                     continue;
                 }
-                let periodic = last_release.elapsed() >= RELEASE_EVERY;
                 if periodic {
-                    last_release = std::time::Instant::now();
+                    connected.producer.request_release();
                 }
-                for slot in slots.iter() {
-                    let connected = slot
-                        .current
-                        .read()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .clone();
-                    if !connected.producer.is_usable() {
-                        continue;
-                    }
-                    if periodic {
-                        connected.producer.request_release();
-                    }
-                    if !connected.producer.release_is_due() {
-                        continue;
-                    }
-                    if let Err(error) = connected.producer.release_if_due().await {
-                        tracing::warn!(
-                            transactional_id = %slot.transactional_id,
-                            error = %error,
-                            "releasing the producer's partitions failed; trying again"
-                        );
-                    }
+                if !connected.producer.release_is_due() {
+                    continue;
+                }
+                let released = tokio::select! {
+                    () = stop.cancelled() => return,
+                    released = connected.producer.release_if_due() => released,
+                };
+                if let Err(error) = released {
+                    tracing::warn!(
+                        transactional_id = %slot.transactional_id,
+                        error = %error,
+                        "releasing the producer's partitions failed; trying again"
+                    );
                 }
             }
-        });
+        }
     }
 
     /// Transactional ids of producers that are unusable (being recreated).

@@ -1,4 +1,13 @@
-//! What every handler shares.
+//! What the handlers share, cut by what each uses: a handler or middleware
+//! takes its part of [`AppState`] (axum's `FromRef`), never the whole, so
+//! a reader sees at its signature what it can touch.
+//!
+//! - [`Publishing`], for the routes that publish (records, cuts, definitions);
+//! - [`Reports`], for the report look-ups and downloads;
+//! - [`ReadinessSources`], for `/readyz`;
+//! - [`Gate`], for admission in front of the publishing routes;
+//! - [`Limits`] (`/v1/limits`), [`Storage`] (definitions' reads) and
+//!   [`MetricsOnly`] (`/metrics`).
 
 use std::sync::Arc;
 
@@ -9,51 +18,77 @@ use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
 
 use crate::admission::Gate;
-use crate::body::InFlightBytes;
 use crate::errors::ApiError;
-use crate::idempotency::{IdempotencyStore, KeyedRequest, StoredResponse, Unsettled};
+use crate::idempotency::{KeyedRequest, StoredResponse, Unsettled};
 use crate::kafka_health::KafkaHealth;
 use crate::key_log::KeyLog;
 use crate::log_reader::LogReader;
 use crate::metrics::{Metrics, MetricsOnly};
+use crate::placement::Placement;
 use crate::publish::{Publisher, RecordsTopic};
 use crate::rate::ControlLimits;
 use crate::reported::Reported;
 use crate::storage::{DownloadUrls, Storage};
 use crate::validation::Limits;
 
-/// The API's connections and settings, built once at start-up.
-pub struct Services {
+/// The API's connections and settings, built once at start-up, as the
+/// parts the handlers take.
+#[derive(Clone)]
+pub struct AppState {
+    pub publishing: Publishing,
+    pub reports: Reports,
+    pub readiness: ReadinessSources,
+    pub gate: Gate,
+}
+
+/// What the routes that publish use.
+#[derive(Clone)]
+pub struct Publishing {
     pub limits: Limits,
     pub records_topic: RecordsTopic,
     /// Where each stream's messages go, and which log report ids name.
-    pub placement: Arc<crate::placement::Placement>,
-    pub publisher: Publisher,
+    pub placement: Arc<Placement>,
+    pub publisher: Arc<Publisher>,
+    /// Settles a commit of unknown outcome.
+    pub log: Arc<LogReader>,
+    /// Idempotency-Key answers in Kafka, shared by the replicas.
+    pub key_log: Arc<KeyLog>,
+    pub metrics: Arc<Metrics>,
+    /// Cuts and definition changes per stream and per principal.
+    pub control_limits: Arc<ControlLimits>,
+    /// Whether bearer tokens are checked (the rate's principal is then the
+    /// token).
+    pub tokens_enabled: bool,
+}
+
+/// What the report routes use.
+#[derive(Clone)]
+pub struct Reports {
     pub storage: Storage,
     /// Presigned download URLs, unless `api.download_url_expiry_ms` is 0.
     pub downloads: Option<DownloadUrls>,
+    /// Which log a report id names.
+    pub placement: Arc<Placement>,
+    /// Whether a report id was ever issued.
     pub log: Arc<LogReader>,
     /// How far each stream is reported (the watermarks), to tell an
     /// expired report from a pending one.
     pub reported: Arc<Reported>,
     pub metrics: Arc<Metrics>,
-    /// `api.max_in_flight_bytes`.
-    pub in_flight_bytes: Arc<InFlightBytes>,
-    /// Answers remembered by `Idempotency-Key`.
-    pub idempotency: Arc<IdempotencyStore>,
-    /// The background Kafka check's verdict.
-    pub kafka_health: Arc<KafkaHealth>,
-    /// Whether bearer tokens are checked (keys are then scoped per token).
-    pub tokens_enabled: bool,
-    /// Idempotency-Key answers in Kafka, shared by the replicas.
-    pub key_log: Arc<KeyLog>,
-    /// Cuts and definition changes per stream and per principal.
-    pub control_limits: ControlLimits,
-    /// `api.replica_id`, named when a producer is fenced.
-    pub replica_id: String,
 }
 
-impl Services {
+/// What `/readyz` reads (and never changes).
+#[derive(Clone)]
+pub struct ReadinessSources {
+    pub storage: Storage,
+    /// The background Kafka check's verdict.
+    pub kafka_health: Arc<KafkaHealth>,
+    pub publisher: Arc<Publisher>,
+    /// `api.replica_id`, named when a producer is fenced.
+    pub replica_id: Arc<str>,
+}
+
+impl Publishing {
     /// Publishes `messages` in one transaction, settling an unknown commit
     /// outcome from the log (see [`Publisher::publish_settled`]).
     pub async fn publish(&self, messages: Vec<OutMessage>) -> Result<Vec<MessageId>, QueueError> {
@@ -145,25 +180,44 @@ pub fn respond(answer: Result<StoredResponse, ApiError>) -> Response {
     }
 }
 
-pub type AppState = Arc<Services>;
+impl FromRef<AppState> for Publishing {
+    fn from_ref(state: &AppState) -> Self {
+        state.publishing.clone()
+    }
+}
+
+impl FromRef<AppState> for Reports {
+    fn from_ref(state: &AppState) -> Self {
+        state.reports.clone()
+    }
+}
+
+impl FromRef<AppState> for ReadinessSources {
+    fn from_ref(state: &AppState) -> Self {
+        state.readiness.clone()
+    }
+}
 
 impl FromRef<AppState> for Gate {
     fn from_ref(state: &AppState) -> Self {
-        Gate {
-            in_flight_bytes: Arc::clone(&state.in_flight_bytes),
-            idempotency: Arc::clone(&state.idempotency),
-            kafka_health: Arc::clone(&state.kafka_health),
-            metrics: Arc::clone(&state.metrics),
-            max_body_bytes: state.limits.max_body_bytes,
-            body_read_timeout: state.limits.body_read_timeout,
-            tokens_enabled: state.tokens_enabled,
-            key_log: Some(Arc::clone(&state.key_log)),
-        }
+        state.gate.clone()
+    }
+}
+
+impl FromRef<AppState> for Limits {
+    fn from_ref(state: &AppState) -> Self {
+        state.publishing.limits
+    }
+}
+
+impl FromRef<AppState> for Storage {
+    fn from_ref(state: &AppState) -> Self {
+        state.reports.storage.clone()
     }
 }
 
 impl FromRef<AppState> for MetricsOnly {
     fn from_ref(state: &AppState) -> Self {
-        MetricsOnly(Arc::clone(&state.metrics))
+        MetricsOnly(Arc::clone(&state.publishing.metrics))
     }
 }

@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 use crate::body::read_body;
 use crate::errors::ApiError;
 use crate::routes::StreamPath;
-use crate::state::AppState;
+use crate::state::Publishing;
+use crate::storage::Storage;
 use crate::storage::definition_key;
 use crate::validation::without_position;
 
@@ -41,7 +42,8 @@ impl StoredDefinition {
 
 /// `PUT /v1/streams/{stream}/definition`.
 pub async fn put_definition(
-    State(state): State<AppState>,
+    State(state): State<Publishing>,
+    State(storage): State<Storage>,
     StreamPath(stream): StreamPath,
     headers: HeaderMap,
     body: Body,
@@ -84,7 +86,7 @@ pub async fn put_definition(
         id: landed.to_string(),
         definition,
     };
-    keep_readable_copy(&state, &stored).await?;
+    keep_readable_copy(&storage, &stored).await?;
     Ok((StatusCode::ACCEPTED, Json(stored)).into_response())
 }
 
@@ -123,13 +125,13 @@ fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
 /// control message (another PUT overtook this one). The log stays the truth;
 /// if this write fails the definition is still in force, and the error says
 /// so.
-async fn keep_readable_copy(state: &AppState, stored: &StoredDefinition) -> Result<(), ApiError> {
+async fn keep_readable_copy(storage: &Storage, stored: &StoredDefinition) -> Result<(), ApiError> {
     let key = definition_key(&stored.stream);
     let copy_failed = |source| ApiError::DefinitionCopyFailed {
         id: stored.id.clone(),
         source,
     };
-    let existing = state.storage.get_small(&key).await.map_err(copy_failed)?;
+    let existing = storage.get_small(&key).await.map_err(copy_failed)?;
     let newer_exists = existing
         .and_then(|bytes| serde_json::from_slice::<StoredDefinition>(&bytes).ok())
         .and_then(|existing| existing.position())
@@ -139,20 +141,16 @@ async fn keep_readable_copy(state: &AppState, stored: &StoredDefinition) -> Resu
         return Ok(());
     }
     let body = serde_json::to_vec_pretty(stored).expect("a definition always serialises");
-    state
-        .storage
-        .put_json(&key, body)
-        .await
-        .map_err(copy_failed)
+    storage.put_json(&key, body).await.map_err(copy_failed)
 }
 
 /// `GET /v1/streams/{stream}/definition`: the readable copy, as stored.
 pub async fn get_definition(
-    State(state): State<AppState>,
+    State(storage): State<Storage>,
     StreamPath(stream): StreamPath,
 ) -> Result<Response, ApiError> {
     let key = definition_key(&stream);
-    let Some(bytes) = state.storage.get_small(&key).await? else {
+    let Some(bytes) = storage.get_small(&key).await? else {
         return Err(ApiError::DefinitionNotFound {
             stream: stream.to_string(),
         });

@@ -2,6 +2,8 @@
 //! every producer is usable). Both stay open when authentication is on.
 //! Kafka's state is the background check's ([`crate::kafka_health`]), the
 //! same verdict that answers publishing requests 503 while Kafka is away.
+//! `/readyz` only reads: unusable producers are recreated by the
+//! publisher's upkeep loop ([`crate::publish::Publisher::run_upkeep`]).
 
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Serialize;
 
-use crate::state::AppState;
+use crate::state::ReadinessSources;
 
 /// How long each readiness check may take.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -72,7 +74,7 @@ impl Check {
 }
 
 /// `GET /readyz`: 200 when every check passes, 503 naming the failed ones.
-pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readiness>) {
+pub async fn readyz(State(state): State<ReadinessSources>) -> (StatusCode, Json<Readiness>) {
     let s3 = state.storage.check_bucket(CHECK_TIMEOUT).await;
     let kafka = match state.kafka_health.unavailable_because() {
         None => Ok(()),
@@ -80,7 +82,6 @@ pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readines
             "kafka does not answer ({reason}); publishing requests are answered 503"
         )),
     };
-    state.publisher.repair();
     let unusable = state.publisher.unusable_producers();
     let producers = if unusable.is_empty() {
         Ok(())

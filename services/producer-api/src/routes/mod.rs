@@ -8,13 +8,19 @@ pub mod health;
 pub mod records;
 pub mod reports;
 
+use std::sync::Arc;
+
+use axum::Router;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
+use axum::http::{Method, Uri};
+use axum::middleware;
 use axum::routing::{MethodRouter, get, post, put};
 use quire_config::Scope;
 use quire_messages::{ReportId, StreamName};
 
-use crate::admission::Admission;
+use crate::admission::{self, Admission};
+use crate::auth::{self, BearerTokens};
 use crate::errors::ApiError;
 use crate::state::AppState;
 use crate::{metrics, openapi};
@@ -40,7 +46,7 @@ pub struct Route {
     pub handler: fn() -> MethodRouter<AppState>,
 }
 
-/// Every operation the API serves; [`crate::startup::router`] is built from
+/// Every operation the API serves; [`router`] is built from
 /// this list, and a test checks that `openapi.yaml` describes exactly these.
 pub const ROUTES: &[Route] = &[
     Route {
@@ -142,6 +148,64 @@ pub const ROUTES: &[Route] = &[
         handler: || get(openapi::json),
     },
 ];
+
+/// Every route of [`ROUTES`]. Token routes require a bearer token when
+/// tokens are configured; open ones (`/healthz`, `/readyz`, `/metrics`, the
+/// OpenAPI document) stay open. Routes that publish get their admission
+/// ([`admission`]) inside the authentication. Every request is counted and
+/// timed, unknown routes included.
+pub fn router(services: AppState, tokens: BearerTokens) -> Router {
+    let metrics = Arc::clone(&services.publishing.metrics);
+    let mut protected = Router::new();
+    let mut open = Router::new();
+    for route in ROUTES {
+        let handler = (route.handler)();
+        let handler = match route.admission {
+            Some(Admission::IdempotentPublish) => handler.route_layer(
+                middleware::from_fn_with_state(services.gate.clone(), admission::admit_publish),
+            ),
+            Some(Admission::Publish) => handler.route_layer(middleware::from_fn_with_state(
+                services.gate.clone(),
+                admission::kafka_gate,
+            )),
+            None => handler,
+        };
+        // Routing one path twice merges its methods.
+        match route.access {
+            Access::Token(scope) => {
+                let handler = handler.route_layer(middleware::from_fn_with_state(
+                    (tokens.clone(), scope),
+                    auth::require_scope,
+                ));
+                protected = protected.route(route.path, handler);
+            }
+            Access::Open => open = open.route(route.path, handler),
+        }
+    }
+    protected
+        .merge(open)
+        .fallback(route_not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(services)
+        .layer(middleware::from_fn_with_state(
+            metrics,
+            metrics::track_requests,
+        ))
+}
+
+async fn route_not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+}
 
 /// The `{stream}` of a route, validated.
 pub struct StreamPath(pub StreamName);

@@ -15,7 +15,8 @@ use crate::body::read_body;
 use crate::errors::ApiError;
 use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::routes::StreamPath;
-use crate::state::AppState;
+use crate::state::Publishing;
+use crate::validation::Limits;
 use crate::validation::{BodyFormat, parse_records};
 
 /// `{"count": n, "ids": ["partition-offset", ...]}`, one id per record in order.
@@ -39,7 +40,7 @@ impl Serialize for DisplayedId {
 /// the array is published in one transaction (possibly shared with other
 /// requests' arrays by group commit).
 pub async fn post_records(
-    State(state): State<AppState>,
+    State(state): State<Publishing>,
     StreamPath(stream): StreamPath,
     keyed: Option<Extension<KeyedRequest>>,
     headers: HeaderMap,
@@ -128,10 +129,10 @@ pub struct RecordLimits {
     pub max_records_per_request: usize,
 }
 
-pub async fn get_limits(State(state): State<AppState>) -> Json<RecordLimits> {
+pub async fn get_limits(State(limits): State<Limits>) -> Json<RecordLimits> {
     Json(RecordLimits {
-        max_body_bytes: state.limits.max_body_bytes,
-        max_record_bytes: state.limits.max_record_bytes,
-        max_records_per_request: state.limits.max_records_per_request,
+        max_body_bytes: limits.max_body_bytes,
+        max_record_bytes: limits.max_record_bytes,
+        max_records_per_request: limits.max_records_per_request,
     })
 }

@@ -14,10 +14,10 @@ use crate::errors::ApiError;
 use crate::idempotency::{KeyedRequest, StoredResponse};
 use crate::log_reader::CutLookup;
 use crate::routes::{ReportPath, StreamPath};
-use crate::state::AppState;
+use crate::state::{Publishing, Reports};
 use crate::storage::{DocumentCheck, OpenedDocument};
 
-/// Where a report stands. `report.failed` may join later.
+/// Where a report stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ReportStatus {
@@ -74,7 +74,7 @@ fn content_path(id: &ReportId) -> String {
 /// the stream's key. Every record accepted for the stream before this call
 /// is in this report or an earlier one.
 pub async fn post_cut(
-    State(state): State<AppState>,
+    State(state): State<Publishing>,
     StreamPath(stream): StreamPath,
     keyed: Option<Extension<KeyedRequest>>,
     headers: axum::http::HeaderMap,
@@ -133,7 +133,7 @@ fn cut_answer(
 
 /// `GET /v1/reports/{id}`.
 pub async fn get_report(
-    State(state): State<AppState>,
+    State(state): State<Reports>,
     ReportPath(id): ReportPath,
 ) -> Result<Json<ReportView>, ApiError> {
     Ok(Json(report_state(&state, id).await?))
@@ -152,7 +152,7 @@ enum Stored {
     Superseded,
 }
 
-async fn stored(state: &AppState, id: &ReportId) -> Result<Stored, ApiError> {
+async fn stored(state: &Reports, id: &ReportId) -> Result<Stored, ApiError> {
     let Some(manifest) = state.storage.manifest(id).await? else {
         return Ok(Stored::NoManifest);
     };
@@ -191,7 +191,7 @@ fn warn_superseded(id: &ReportId, manifest: &Manifest, bytes: Option<i64>, e_tag
 ///   another document (a replay that cut elsewhere) and nothing will
 ///   complete it again;
 /// - 404: never issued.
-async fn report_state(state: &AppState, id: ReportId) -> Result<ReportView, ApiError> {
+async fn report_state(state: &Reports, id: ReportId) -> Result<ReportView, ApiError> {
     let superseded = match stored(state, &id).await? {
         Stored::Completed(manifest) => return Ok(ReportView::completed(id, manifest)),
         Stored::DocumentGone(manifest) => return Err(content_gone(&id, manifest)),
@@ -246,7 +246,7 @@ pub struct ContentQuery {
 }
 
 /// A completed report's manifest, or why there is none (pending: 409).
-async fn completed_manifest(state: &AppState, id: ReportId) -> Result<Manifest, ApiError> {
+async fn completed_manifest(state: &Reports, id: ReportId) -> Result<Manifest, ApiError> {
     let view = report_state(state, id).await?;
     view.manifest.ok_or_else(|| ApiError::ReportPending {
         id: view.report_id.to_string(),
@@ -268,7 +268,7 @@ fn download_name(id: &ReportId, key: &str) -> String {
 /// [`completed_manifest`], which checked that the object at its key is the
 /// one it describes; 410 otherwise, as for the content route).
 async fn download_url(
-    state: &AppState,
+    state: &Reports,
     downloads: &crate::storage::DownloadUrls,
     id: &ReportId,
     manifest: &Manifest,
@@ -304,7 +304,7 @@ pub struct DownloadView {
 /// `GET /v1/reports/{id}/url`: a presigned S3 GET URL of the document, so a
 /// large report downloads without passing through the API.
 pub async fn get_report_url(
-    State(state): State<AppState>,
+    State(state): State<Reports>,
     ReportPath(id): ReportPath,
 ) -> Result<Response, ApiError> {
     let Some(downloads) = state.downloads.as_ref() else {
@@ -336,7 +336,7 @@ pub async fn get_report_url(
 /// URLs, a 307 to a presigned S3 URL of it instead; without them, the
 /// document is served as usual.
 pub async fn get_report_content(
-    State(state): State<AppState>,
+    State(state): State<Reports>,
     ReportPath(id): ReportPath,
     query: Result<Query<ContentQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
@@ -455,7 +455,7 @@ pub struct ReportPage {
 /// are in log order, and a page may hold fewer than `limit`. With
 /// `?window_start=`, only that window's reports, from the window index.
 pub async fn list_reports(
-    State(state): State<AppState>,
+    State(state): State<Reports>,
     StreamPath(stream): StreamPath,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<ReportPage>, ApiError> {

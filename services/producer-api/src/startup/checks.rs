@@ -1,0 +1,380 @@
+//! What start-up checks before it connects to anything: every setting that
+//! needs no broker and no bucket is validated here, so a bad one is refused
+//! at once (not after the topics are checked and the stored
+//! `Idempotency-Key` answers are loaded, which may take minutes).
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quire_config::Settings;
+
+use super::StartupError;
+use crate::auth::BearerTokens;
+use crate::openapi;
+use crate::rate::ControlLimits;
+use crate::serve::ConnectionLimits;
+use crate::storage::MAX_DOWNLOAD_URL_EXPIRY;
+use crate::validation::Limits;
+
+/// The settings, checked and in the types the API uses.
+pub struct Checked {
+    pub limits: Limits,
+    pub connections: ConnectionLimits,
+    pub control_limits: Arc<ControlLimits>,
+    /// The endpoint download URLs are signed for, or None when they are off.
+    pub download_endpoint: Option<String>,
+    pub tokens: BearerTokens,
+    /// `api.kafka_check_interval_ms`, at least 1 ms.
+    pub check_interval: Duration,
+}
+
+/// Checks every setting that needs no connection; `address` is where the
+/// API listens (authentication depends on it).
+pub fn check(settings: &Settings, address: SocketAddr) -> Result<Checked, StartupError> {
+    let checked = Checked {
+        limits: limits(settings)?,
+        connections: connection_limits(settings)?,
+        control_limits: Arc::new(control_limits(settings)?),
+        download_endpoint: download_endpoint(settings)?,
+        tokens: authentication(settings, address)?,
+        check_interval: Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
+    };
+    openapi::check().map_err(StartupError::OpenApi)?;
+    Ok(checked)
+}
+
+/// The bearer tokens. A listed token that is empty is a mistake, never
+/// "authentication off"; and without tokens the API serves only loopback
+/// unless `api.allow_unauthenticated` says otherwise.
+fn authentication(settings: &Settings, address: SocketAddr) -> Result<BearerTokens, StartupError> {
+    let api = &settings.api;
+    for (index, token) in api.tokens.iter().enumerate() {
+        for earlier in &api.tokens[..index] {
+            if earlier.name == token.name || earlier.sha256 == token.sha256 {
+                return Err(StartupError::DuplicateToken {
+                    first: earlier.name.clone(),
+                    second: token.name.clone(),
+                });
+            }
+        }
+    }
+    let tokens = BearerTokens::new(&api.tokens);
+    if !tokens.enabled() && !address.ip().is_loopback() && !api.allow_unauthenticated {
+        return Err(StartupError::Unauthenticated { address });
+    }
+    if !tokens.enabled() && !address.ip().is_loopback() {
+        tracing::warn!(%address, "authentication is off (api.allow_unauthenticated) on a non-loopback address");
+    }
+    Ok(tokens)
+}
+
+/// Refuses an `Idempotency-Key` lifetime longer than the idempotency topic
+/// keeps the answers (`config`: the topic's live settings). Within the TTL a
+/// retry must find its first answer; the answers outlive a restart and are
+/// shared by replicas only through the topic, so the topic must keep them
+/// at least that long. A topic that deletes nothing by time (retention.ms
+/// -1, or a policy without `delete`) keeps them forever.
+pub fn check_idempotency_ttl(
+    ttl_ms: u64,
+    topic: &str,
+    config: &std::collections::BTreeMap<String, String>,
+) -> Result<(), StartupError> {
+    let deletes = config
+        .get("cleanup.policy")
+        .is_none_or(|policy| policy.split(',').any(|part| part.trim() == "delete"));
+    let retention_ms = config
+        .get("retention.ms")
+        .and_then(|value| value.trim().parse::<i64>().ok());
+    match retention_ms {
+        Some(retention_ms) if deletes && retention_ms >= 0 && ttl_ms > retention_ms as u64 => {
+            Err(StartupError::IdempotencyTtlBeyondRetention {
+                ttl_ms,
+                retention_ms,
+                topic: topic.to_owned(),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The endpoint download URLs are signed for, or None when they are off.
+fn download_endpoint(settings: &Settings) -> Result<Option<String>, StartupError> {
+    let expiry = settings.api.download_url_expiry_ms;
+    if expiry == 0 {
+        return Ok(None);
+    }
+    if Duration::from_millis(expiry) > MAX_DOWNLOAD_URL_EXPIRY {
+        return Err(StartupError::DownloadUrlExpiry(expiry));
+    }
+    let endpoint = settings.api.download_url_endpoint.trim();
+    if endpoint.is_empty() {
+        return Ok(Some(settings.s3.endpoint.clone()));
+    }
+    // Credentials in the URL are never echoed.
+    let shown = if endpoint.contains('@') {
+        "(an endpoint with credentials in it)".to_owned()
+    } else {
+        endpoint.to_owned()
+    };
+    let bad = || StartupError::DownloadUrlEndpoint(shown.clone());
+    let uri: axum::http::Uri = endpoint.parse().map_err(|_| bad())?;
+    let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+    let bare = matches!(uri.path(), "" | "/") && uri.query().is_none();
+    let host_ok = uri
+        .authority()
+        .is_some_and(|authority| !authority.host().is_empty() && !authority.as_str().contains('@'));
+    if !(scheme_ok && bare && host_ok) {
+        return Err(bad());
+    }
+    Ok(Some(endpoint.trim_end_matches('/').to_owned()))
+}
+
+fn control_limits(settings: &Settings) -> Result<ControlLimits, StartupError> {
+    let api = &settings.api;
+    let at_least_one =
+        |key, value: u32| NonZeroU32::new(value).ok_or(StartupError::ZeroLimit { key });
+    Ok(ControlLimits::new(
+        at_least_one(
+            "control_requests_per_minute_per_stream",
+            api.control_requests_per_minute_per_stream,
+        )?,
+        at_least_one(
+            "control_requests_per_minute_per_principal",
+            api.control_requests_per_minute_per_principal,
+        )?,
+    ))
+}
+
+fn connection_limits(settings: &Settings) -> Result<ConnectionLimits, StartupError> {
+    let api = &settings.api;
+    for (key, value) in [
+        (
+            "header_read_timeout_ms",
+            api.header_read_timeout_ms as usize,
+        ),
+        ("idle_timeout_ms", api.idle_timeout_ms as usize),
+        ("max_connections", api.max_connections),
+    ] {
+        if value == 0 {
+            return Err(StartupError::ZeroLimit { key });
+        }
+    }
+    Ok(ConnectionLimits {
+        header_read_timeout: Duration::from_millis(api.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(api.idle_timeout_ms),
+        max_connections: api.max_connections,
+    })
+}
+
+fn limits(settings: &Settings) -> Result<Limits, StartupError> {
+    let api = &settings.api;
+    for (key, value) in [
+        ("max_body_bytes", api.max_body_bytes),
+        ("max_record_bytes", api.max_record_bytes),
+        ("max_records_per_request", api.max_records_per_request),
+        ("max_in_flight_bytes", api.max_in_flight_bytes),
+        ("idempotency_max_keys", api.idempotency_max_keys),
+    ] {
+        if value == 0 {
+            return Err(StartupError::ZeroLimit { key });
+        }
+    }
+    if api.max_in_flight_bytes < api.max_body_bytes {
+        return Err(StartupError::InFlightBelowBody {
+            in_flight: api.max_in_flight_bytes,
+            body: api.max_body_bytes,
+        });
+    }
+    Ok(Limits {
+        max_body_bytes: api.max_body_bytes,
+        max_record_bytes: api.max_record_bytes,
+        max_records_per_request: api.max_records_per_request,
+        body_read_timeout: Duration::from_millis(api.body_read_timeout_ms),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_tokens(tokens: &[&str]) -> Settings {
+        let mut settings = quire_config::defaults();
+        settings.api.tokens = tokens
+            .iter()
+            .map(|name| {
+                let digest = hex::encode(quire_config::ApiToken::digest_of(name));
+                format!("{name}:{digest}:read+write:*").parse().unwrap()
+            })
+            .collect();
+        settings
+    }
+
+    /// Every limit that must be at least 1 is refused at 0, whichever it
+    /// is, before anything connects.
+    #[test]
+    fn every_limit_at_zero_is_refused_before_anything_connects() {
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        assert!(check(&quire_config::defaults(), loopback).is_ok());
+        type ZeroIt = fn(&mut Settings);
+        let zeroes: [(&str, ZeroIt); 10] = [
+            ("max_body_bytes", |s| s.api.max_body_bytes = 0),
+            ("max_record_bytes", |s| s.api.max_record_bytes = 0),
+            ("max_records_per_request", |s| {
+                s.api.max_records_per_request = 0
+            }),
+            ("max_in_flight_bytes", |s| s.api.max_in_flight_bytes = 0),
+            ("idempotency_max_keys", |s| s.api.idempotency_max_keys = 0),
+            ("header_read_timeout_ms", |s| {
+                s.api.header_read_timeout_ms = 0
+            }),
+            ("idle_timeout_ms", |s| s.api.idle_timeout_ms = 0),
+            ("max_connections", |s| s.api.max_connections = 0),
+            ("control_requests_per_minute_per_stream", |s| {
+                s.api.control_requests_per_minute_per_stream = 0
+            }),
+            ("control_requests_per_minute_per_principal", |s| {
+                s.api.control_requests_per_minute_per_principal = 0
+            }),
+        ];
+        for (name, zero) in zeroes {
+            let mut settings = quire_config::defaults();
+            zero(&mut settings);
+            match check(&settings, loopback) {
+                Err(StartupError::ZeroLimit { key }) => assert_eq!(key, name),
+                Err(other) => panic!("{name}: {other}"),
+                Ok(_) => panic!("{name} = 0 was accepted"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_idempotency_ttl_past_the_topics_retention_is_refused() {
+        let config = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect()
+        };
+        let two_days = config(&[("cleanup.policy", "delete"), ("retention.ms", "172800000")]);
+        assert!(check_idempotency_ttl(172_800_000, "quire.idempotency", &two_days).is_ok());
+        assert!(check_idempotency_ttl(86_400_000, "quire.idempotency", &two_days).is_ok());
+        let error = check_idempotency_ttl(172_800_001, "quire.idempotency", &two_days)
+            .err()
+            .unwrap();
+        let message = error.to_string();
+        for needle in [
+            "api.idempotency_ttl_ms (172800001)",
+            "retention.ms = 172800000",
+            "quire.idempotency",
+        ] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        // Topics that delete nothing by time keep answers forever.
+        for forever in [
+            config(&[("cleanup.policy", "delete"), ("retention.ms", "-1")]),
+            config(&[("cleanup.policy", "compact"), ("retention.ms", "1000")]),
+            config(&[]),
+        ] {
+            assert!(
+                check_idempotency_ttl(u64::MAX, "t", &forever).is_ok(),
+                "{forever:?}"
+            );
+        }
+        let both = config(&[
+            ("cleanup.policy", "compact,delete"),
+            ("retention.ms", "1000"),
+        ]);
+        assert!(check_idempotency_ttl(1001, "t", &both).is_err());
+    }
+
+    #[test]
+    fn without_tokens_only_loopback_is_served_unless_said_on_purpose() {
+        let everywhere: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let error = authentication(&with_tokens(&[]), everywhere).err().unwrap();
+        assert!(matches!(error, StartupError::Unauthenticated { .. }));
+        assert!(
+            error.to_string().contains("api.allow_unauthenticated"),
+            "{error}"
+        );
+        assert!(
+            !authentication(&with_tokens(&[]), loopback)
+                .unwrap()
+                .enabled()
+        );
+        assert!(
+            authentication(&with_tokens(&["t"]), everywhere)
+                .unwrap()
+                .enabled()
+        );
+        let mut open_on_purpose = with_tokens(&[]);
+        open_on_purpose.api.allow_unauthenticated = true;
+        assert!(
+            !authentication(&open_on_purpose, everywhere)
+                .unwrap()
+                .enabled()
+        );
+    }
+
+    #[test]
+    fn download_urls_are_off_at_0_and_bounded_to_7_days_on_a_bare_endpoint() {
+        let mut settings = quire_config::defaults();
+        assert_eq!(
+            download_endpoint(&settings).unwrap().as_deref(),
+            Some(settings.s3.endpoint.as_str()),
+            "on by default, signed for s3.endpoint"
+        );
+        settings.api.download_url_expiry_ms = 0;
+        assert!(download_endpoint(&settings).unwrap().is_none());
+        settings.api.download_url_expiry_ms = 7 * 24 * 3600 * 1000;
+        assert!(download_endpoint(&settings).unwrap().is_some());
+        settings.api.download_url_expiry_ms += 1;
+        let error = download_endpoint(&settings).err().unwrap();
+        assert!(error.to_string().contains("7 days"), "{error}");
+
+        settings.api.download_url_expiry_ms = 60_000;
+        settings.api.download_url_endpoint = "https://s3.example.com:9000/".into();
+        assert_eq!(
+            download_endpoint(&settings).unwrap().as_deref(),
+            Some("https://s3.example.com:9000")
+        );
+        for bad in [
+            "s3.example.com",
+            "ftp://s3.example.com",
+            "https://s3.example.com/bucket",
+            "https://s3.example.com/?x=1",
+            "https://user:secret@s3.example.com",
+            "not a url",
+        ] {
+            settings.api.download_url_endpoint = bad.into();
+            let error = download_endpoint(&settings).err().unwrap();
+            assert!(
+                matches!(error, StartupError::DownloadUrlEndpoint(_)),
+                "{bad}: {error}"
+            );
+            assert!(!error.to_string().contains("secret"), "{error}");
+        }
+    }
+
+    #[test]
+    fn two_tokens_with_one_name_or_one_digest_are_an_error() {
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let mut settings = with_tokens(&["a", "b"]);
+        assert!(authentication(&settings, loopback).is_ok());
+        settings.api.tokens[1].name = "a".into();
+        let error = authentication(&settings, loopback).err().unwrap();
+        assert!(
+            matches!(error, StartupError::DuplicateToken { .. }),
+            "{error}"
+        );
+        let mut settings = with_tokens(&["a", "b"]);
+        settings.api.tokens[1].sha256 = settings.api.tokens[0].sha256;
+        let error = authentication(&settings, loopback).err().unwrap();
+        assert!(
+            matches!(error, StartupError::DuplicateToken { .. }),
+            "{error}"
+        );
+    }
+}
