@@ -77,11 +77,14 @@ mod tests {
 
     use super::*;
 
+    /// Where a client was destroyed: the thread's id and name.
+    type Destroyed = (ThreadId, Option<String>);
+
     /// A producer context that tells on which thread its client was
     /// destroyed: rust-rdkafka drops the context right after
     /// `rd_kafka_destroy`, on the same thread.
     struct Probe {
-        destroyed: mpsc::Sender<(ThreadId, Option<String>)>,
+        destroyed: mpsc::Sender<Destroyed>,
     }
 
     impl ClientContext for Probe {}
@@ -97,10 +100,7 @@ mod tests {
 
     /// A real librdkafka producer (no broker needed to create or destroy
     /// one) and where its destruction is reported.
-    fn probed_producer() -> (
-        Retiring<FutureProducer<Probe>>,
-        mpsc::Receiver<(ThreadId, Option<String>)>,
-    ) {
+    fn probed_producer() -> (Retiring<FutureProducer<Probe>>, mpsc::Receiver<Destroyed>) {
         let (destroyed, reported) = mpsc::channel();
         let producer: FutureProducer<Probe> = ClientConfig::new()
             .set("bootstrap.servers", "127.0.0.1:9")
@@ -110,9 +110,7 @@ mod tests {
         (Retiring::new(producer), reported)
     }
 
-    fn destroyed_on(
-        reported: &mpsc::Receiver<(ThreadId, Option<String>)>,
-    ) -> (ThreadId, Option<String>) {
+    fn destroyed_on(reported: &mpsc::Receiver<Destroyed>) -> Destroyed {
         reported
             .recv_timeout(Duration::from_secs(30))
             .expect("the producer is destroyed")
