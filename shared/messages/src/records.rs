@@ -137,6 +137,10 @@ pub fn unreadable_version(headers: &[(String, Vec<u8>)]) -> Option<String> {
 /// A message of the records topic as a reader sees it: told apart by its
 /// `quire-kind` header and its key, its body decoded. `Err` and
 /// [`Incoming::Invalid`] hold why the message is a dead letter.
+// One per message read, moved once into the worker's decision and never
+// stored: boxing the definition would cost an allocation per definition for
+// nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Incoming<'a> {
     /// A producer releasing its partitions: no stream, nothing to render.
