@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
-use quire_messages::{HEADER_KIND, MessageKind, ReportId, records};
+use quire_messages::{MessageKind, ReportId, records};
 use quire_queue::{MessageId, PartitionReader, QueueError, ReadError, ReaderOptions};
 use tokio::sync::Semaphore;
 
@@ -247,7 +247,7 @@ impl Lookup {
                 ": its offset holds no committed message (an aborted transaction or a transaction marker)",
             ));
         };
-        let kind = records::kind_of(message.header(HEADER_KIND));
+        let kind = records::kind_of(&message.headers);
         let is_cut_of_stream = (kind == Some(MessageKind::Cut) || !self.cut_only)
             && message.key.as_deref() == Some(self.stream_key.as_slice());
         Ok(if is_cut_of_stream {

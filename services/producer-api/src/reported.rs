@@ -33,7 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use quire_config::KafkaSettings;
-use quire_messages::{HEADER_KIND, ReportId, StreamName, Watermark, records};
+use quire_messages::watermarks::{self, WatermarkEntry};
+use quire_messages::{ReportId, StreamName};
 use quire_queue::{InMessage, QueueError, TopicTail};
 
 /// How long a look-up waits for the tail to read its partition the first
@@ -109,27 +110,21 @@ impl Reported {
 /// One message of the watermark topic: a stream's latest watermark, its
 /// tombstone, or a worker's release (skipped).
 fn apply(topic: &str, message: &InMessage, offsets: &Mutex<Offsets>) {
-    if records::is_release(message.header(HEADER_KIND), message.key.as_deref()) {
-        return;
-    }
-    let Some(stream) = message
-        .key
-        .as_deref()
-        .and_then(|key| std::str::from_utf8(key).ok())
-        .and_then(|key| StreamName::new(key).ok())
-    else {
+    let WatermarkEntry::Stream(stream, watermark) = watermarks::read(
+        message.key.as_deref(),
+        &message.headers,
+        message.payload.as_deref(),
+    ) else {
         return;
     };
     let slot = (message.partition, stream);
-    let offset = match message.payload.as_deref() {
-        None => None,
-        Some(payload) => match quire_messages::decode::<Watermark>("watermark", payload) {
-            Ok(watermark) => watermark.offset.map(|offset| (offset, watermark.log)),
-            Err(error) => {
-                tracing::warn!(topic, partition = message.partition, offset = message.offset, error = %error, "unreadable watermark ignored");
-                return;
-            }
-        },
+    let offset = match watermark {
+        Ok(None) => None,
+        Ok(Some(watermark)) => watermark.offset.map(|offset| (offset, watermark.log)),
+        Err(error) => {
+            tracing::warn!(topic, partition = message.partition, offset = message.offset, error = %error, "unreadable watermark ignored");
+            return;
+        }
     };
     let mut offsets = offsets.lock().expect("watermark offsets");
     match offset {

@@ -21,6 +21,8 @@ use quire_s3::{MemoryPool, MultipartWriter, S3Bucket, UploadPolicy, WrittenObjec
 use quire_xml::{DocumentRenderer, RenderError, Summary, SummaryWindow};
 
 use crate::WorkerError;
+use crate::decide::DocumentStats;
+use crate::pipeline::{Document, DocumentSpec, DocumentStore};
 
 /// Deflate level of gzip reports: the fastest. XML of repeated element names
 /// compresses several times over even at level 1, and the worker's CPU is
@@ -84,19 +86,6 @@ pub enum RecordInput<'a> {
     /// Its fields' elements already written by `quire_xml::render_fields`
     /// from `text`.
     Rendered { text: &'a [u8], fields: &'a [u8] },
-}
-
-/// What became of a record handed to [`OpenDocument::append`].
-#[derive(Debug)]
-pub enum Appended {
-    Done,
-    /// It cannot be rendered (for the dead-letter topic).
-    Unrenderable(RenderError),
-    /// Its rendering (`rendered` bytes) would take the document past the
-    /// limit: it belongs in the next document.
-    TooLarge {
-        rendered: usize,
-    },
 }
 
 /// What rendered bytes go through on their way to the writer.
@@ -213,17 +202,20 @@ impl OpenDocument {
     /// outside the default layout (a definition's key template) is one the
     /// take-over sweep cannot tell the partition of, so an upload a dead
     /// owner left on it is aborted here, when its document opens again.
-    #[allow(clippy::too_many_arguments)]
     pub async fn open(
         bucket: &S3Bucket,
         policy: &UploadPolicy,
-        stream: &StreamName,
-        partition: i32,
-        first_offset: i64,
-        definition: &Definition,
-        key: String,
-        window: Option<DocumentWindow>,
+        spec: DocumentSpec,
     ) -> Result<Self, WorkerError> {
+        let DocumentSpec {
+            stream,
+            partition,
+            first_offset,
+            definition,
+            key,
+            window,
+        } = spec;
+        let definition = &definition;
         if !layout::report_key_belongs_to(&key, partition) {
             let aborted = bucket
                 .abort_pending_uploads_where(&key, |pending| pending == key)
@@ -241,7 +233,7 @@ impl OpenDocument {
         write_xml(&mut encoding, &mut writer, &scratch).await?;
         scratch.clear();
         Ok(OpenDocument {
-            stream: stream.clone(),
+            stream,
             partition,
             first_offset,
             first_record_time_ms: None,
@@ -258,50 +250,21 @@ impl OpenDocument {
         })
     }
 
-    /// Appends the record at `offset`, unless its rendering would take the
-    /// document past `limit` bytes. The document is unchanged unless the
-    /// answer is [`Appended::Done`].
-    pub async fn append(
+    /// Renders `record` into the document's scratch, nothing written yet:
+    /// its size, or why it cannot be rendered. Whether it fits is the
+    /// pipeline's decision (`decide::fit`); [`append_rendered`](Self::append_rendered)
+    /// writes it.
+    pub fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
+        render_record(&self.renderer, &mut self.scratch, record)
+    }
+
+    /// Appends the record [`render`](Self::render) rendered last, as the
+    /// record at `offset`.
+    pub async fn append_rendered(
         &mut self,
-        record: RecordInput<'_>,
         offset: i64,
         time_ms: Option<i64>,
-        limit: u64,
-    ) -> Result<Appended, WorkerError> {
-        self.scratch.clear();
-        let parsed;
-        let value = match record {
-            RecordInput::Rendered { fields, .. } if self.renderer.renders_fields_verbatim() => {
-                self.renderer.record_of_fields(&mut self.scratch, fields);
-                None
-            }
-            // Attributes or renames: the tree walk decides where each
-            // field goes. The text parsed whole once already.
-            RecordInput::Rendered { text, .. } => match serde_json::from_slice(text) {
-                Ok(value) => {
-                    parsed = value;
-                    Some(&parsed)
-                }
-                Err(_) => {
-                    return Ok(Appended::Unrenderable(RenderError::NotAnObject {
-                        found: "text that does not parse",
-                    }));
-                }
-            },
-            RecordInput::Parsed(value) => Some(value),
-        };
-        if let Some(value) = value
-            && let Err(error) = self.renderer.record(&mut self.scratch, value)
-        {
-            return Ok(Appended::Unrenderable(error));
-        }
-        // Under gzip the record's compressed bytes are not known yet; its
-        // XML is an upper bound of them (deflate adds a few bytes per block
-        // at worst, which the caller's closing room covers).
-        let rendered = self.scratch.len();
-        if self.bytes().saturating_add(rendered as u64) > limit {
-            return Ok(Appended::TooLarge { rendered });
-        }
+    ) -> Result<(), WorkerError> {
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         if self.records == 0 {
             self.first_record_time_ms = time_ms;
@@ -309,7 +272,7 @@ impl OpenDocument {
         self.records += 1;
         self.last_record_offset = Some(offset);
         self.last_record_time_ms = time_ms;
-        Ok(Appended::Done)
+        Ok(())
     }
 
     /// Bytes of the stored object so far (compressed under gzip, less what
@@ -427,6 +390,108 @@ impl OpenDocument {
         if let Err(error) = self.writer.abort().await {
             tracing::warn!(key, error = %error, "abort of an open document failed; the take-over sweep will retry");
         }
+    }
+}
+
+/// Renders `record` into `scratch` (cleared first) with `renderer`: its
+/// size, or why it cannot be rendered.
+pub fn render_record(
+    renderer: &DocumentRenderer,
+    scratch: &mut Vec<u8>,
+    record: RecordInput<'_>,
+) -> Result<usize, RenderError> {
+    scratch.clear();
+    let parsed;
+    let value = match record {
+        RecordInput::Rendered { fields, .. } if renderer.renders_fields_verbatim() => {
+            renderer.record_of_fields(scratch, fields);
+            None
+        }
+        // Attributes or renames: the tree walk decides where each
+        // field goes. The text parsed whole once already.
+        RecordInput::Rendered { text, .. } => match serde_json::from_slice(text) {
+            Ok(value) => {
+                parsed = value;
+                Some(&parsed)
+            }
+            Err(_) => {
+                return Err(RenderError::NotAnObject {
+                    found: "text that does not parse",
+                });
+            }
+        },
+        RecordInput::Parsed(value) => Some(value),
+    };
+    if let Some(value) = value {
+        renderer.record(scratch, value)?;
+    }
+    // Under gzip the record's compressed bytes are not known yet; its
+    // XML is an upper bound of them (deflate adds a few bytes per block
+    // at worst, which the caller's closing room covers).
+    Ok(scratch.len())
+}
+
+impl Document for OpenDocument {
+    fn stream(&self) -> &StreamName {
+        &self.stream
+    }
+
+    fn stats(&self) -> DocumentStats {
+        DocumentStats {
+            first_offset: self.first_offset,
+            records: self.records,
+            bytes: self.bytes(),
+            last_record_offset: self.last_record_offset,
+            last_record_time_ms: self.last_record_time_ms,
+        }
+    }
+
+    fn window(&self) -> Option<&DocumentWindow> {
+        self.window.as_ref()
+    }
+
+    fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
+        OpenDocument::render(self, record)
+    }
+}
+
+/// The worker's documents: rendered XML streamed into S3 multipart uploads.
+pub struct S3Documents {
+    pub bucket: S3Bucket,
+    pub policy: UploadPolicy,
+}
+
+impl DocumentStore for S3Documents {
+    type Document = OpenDocument;
+
+    async fn open(&self, spec: DocumentSpec) -> Result<OpenDocument, WorkerError> {
+        OpenDocument::open(&self.bucket, &self.policy, spec).await
+    }
+
+    async fn append(
+        &self,
+        document: &mut OpenDocument,
+        offset: i64,
+        time_ms: Option<i64>,
+    ) -> Result<(), WorkerError> {
+        document.append_rendered(offset, time_ms).await
+    }
+
+    async fn complete(
+        &self,
+        document: OpenDocument,
+        report_id: &ReportId,
+        cut_time_ms: Option<i64>,
+        trigger: Trigger,
+        log: &str,
+    ) -> Result<Manifest, WorkerError> {
+        document
+            .complete(&self.bucket, report_id, cut_time_ms, trigger, log)
+            .await
+    }
+
+    async fn abort(&self, document: OpenDocument) {
+        document.abort().await;
     }
 }
 

@@ -3,7 +3,12 @@
 //!
 //! - `application.rs`: the report generator as a value (`Application::build`
 //!   binds its monitoring port, `run_until(shutdown)` runs it);
-//! - `worker.rs`: one session of the loop (its Kafka clients, its S3 handle);
+//! - `worker.rs`: one session of the loop, read -> apply -> commit (its
+//!   Kafka clients, its S3 handle; `worker/session.rs`, `worker/timed.rs`,
+//!   `worker/outbox.rs`);
+//! - `pipeline.rs`: one assigned partition, applying `decide.rs`'s pure
+//!   decisions about each message to its documents (`document.rs`) and its
+//!   state (`partition.rs`);
 //! - `supervisor.rs`: runs sessions, rebuilding one after a Kafka or S3
 //!   failure, exiting on errors a restart cannot cure;
 //! - `monitoring.rs` and `metrics.rs`: `/metrics`, `/healthz`, `/readyz`;
@@ -11,11 +16,13 @@
 //! - `topics.rs`: a recreated or grown topic noticed while a session runs.
 
 mod application;
+mod decide;
 mod document;
 mod error;
 mod metrics;
 mod monitoring;
 mod partition;
+mod pipeline;
 mod stuck;
 pub mod supervisor;
 mod topics;

@@ -1,6 +1,6 @@
 //! What the worker knows about one assigned record partition.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use quire_messages::window::{Schedule, Window};
@@ -8,8 +8,6 @@ use quire_messages::{
     CURRENT_VERSION, Definition, PartitionMoved, StartedWindow, StreamName, Watermark,
     WindowProgress,
 };
-
-use crate::document::OpenDocument;
 
 /// One stream's state on its partition.
 #[derive(Debug, Clone, Default)]
@@ -150,11 +148,12 @@ impl StreamWindow {
     }
 }
 
-/// An assigned partition: its streams, its open documents, how far it is read.
+/// What a partition's pipeline (`pipeline.rs`) knows of its streams and how
+/// far it is read; the pipeline holds the open documents and tells this the
+/// facts of them it needs (an open document's first offset, its window).
 pub struct PartitionState {
     pub partition: i32,
     pub streams: HashMap<StreamName, StreamState>,
-    pub open: BTreeMap<StreamName, OpenDocument>,
     /// The offset after the last message read (processed) on this partition.
     pub next_to_read: Option<i64>,
     /// The offset last committed for this partition by this worker.
@@ -162,9 +161,6 @@ pub struct PartitionState {
     /// The latest log time read on this partition (ms): windows that ended
     /// by then are closed.
     pub time_ms: Option<i64>,
-    /// The window ends of open windowed documents, earliest first (entries
-    /// of documents completed otherwise are dropped when reached).
-    pub window_ends: BTreeSet<(i64, StreamName)>,
     /// The Kafka topic id of the records log, written into every watermark.
     log: Arc<str>,
     /// A move marker processed and not yet recorded on the watermark topic.
@@ -253,11 +249,9 @@ impl PartitionState {
         PartitionState {
             partition,
             streams,
-            open: BTreeMap::new(),
             next_to_read: None,
             committed: None,
             time_ms: None,
-            window_ends: BTreeSet::new(),
             log,
             moved: None,
             dead_letters: DeadLetterMark::default(),
@@ -268,7 +262,7 @@ impl PartitionState {
     /// document, if one was open, is completed there): nothing of it up to
     /// the marker is read again, and its windows are its new partition's.
     pub fn moved_away(&mut self, stream: &StreamName, offset: i64) {
-        self.report_completed(stream, offset);
+        self.report_completed(stream, offset, None);
         let state = self.stream(stream);
         state.window = None;
         state.watermark_moved = true;
@@ -276,9 +270,16 @@ impl PartitionState {
 
     /// `stream` arrived on this partition with the handover at `offset`:
     /// its window progress continues from `window`, and a replay passes
-    /// the handover by.
-    pub fn arrived(&mut self, stream: &StreamName, offset: i64, window: Option<WindowProgress>) {
-        self.report_completed(stream, offset);
+    /// the handover by (a document of it open here from an earlier layout,
+    /// opened at `open_first_offset`, keeps the watermark below it).
+    pub fn arrived(
+        &mut self,
+        stream: &StreamName,
+        offset: i64,
+        window: Option<WindowProgress>,
+        open_first_offset: Option<i64>,
+    ) {
+        self.report_completed(stream, offset, open_first_offset);
         let state = self.stream(stream);
         state.window = window.and_then(StreamWindow::restored);
         state.watermark_moved = true;
@@ -346,16 +347,12 @@ impl PartitionState {
     }
 
     /// Settles the windows of `stream` that ended by the partition's log
-    /// time (see [`StreamWindow::settle`]).
-    pub fn settle_windows(&mut self, stream: &StreamName) {
+    /// time (see [`StreamWindow::settle`]); `open` is the window of the
+    /// stream's open document.
+    pub fn settle_windows(&mut self, stream: &StreamName, open: Option<Window>) {
         let Some(time_ms) = self.time_ms else {
             return;
         };
-        let open = self
-            .open
-            .get(stream)
-            .and_then(|document| document.window.as_ref())
-            .map(|window| window.window);
         let state = self.stream(stream);
         if let Some(progress) = &mut state.window
             && progress.settle(time_ms, open)
@@ -397,12 +394,15 @@ impl PartitionState {
     /// watermark never passes the stream's open document: an empty window's
     /// report may be keyed by a marker that landed after a later window's
     /// document opened (the window's progress keeps that report from being
-    /// made twice).
-    pub fn report_completed(&mut self, stream: &StreamName, marker_offset: i64) {
-        let open_before = self
-            .open
-            .get(stream)
-            .is_some_and(|document| document.first_offset <= marker_offset);
+    /// made twice). `open_first_offset`: the first offset of the stream's
+    /// open document.
+    pub fn report_completed(
+        &mut self,
+        stream: &StreamName,
+        marker_offset: i64,
+        open_first_offset: Option<i64>,
+    ) {
+        let open_before = open_first_offset.is_some_and(|first| first <= marker_offset);
         let state = self.stream(stream);
         if !open_before {
             state.watermark = Some(
@@ -421,14 +421,10 @@ impl PartitionState {
         );
     }
 
-    /// The offset to commit: never past an open document (its first offset),
-    /// never past what was read. None when nothing was read yet.
-    pub fn safe_offset(&self) -> Option<i64> {
-        let oldest_open = self
-            .open
-            .values()
-            .map(|document| document.first_offset)
-            .min();
+    /// The offset to commit: never past an open document (`oldest_open`,
+    /// the first offset of the oldest), never past what was read. None when
+    /// nothing was read yet.
+    pub fn safe_offset(&self, oldest_open: Option<i64>) -> Option<i64> {
         match (oldest_open, self.next_to_read) {
             (Some(open), Some(read)) => Some(open.min(read)),
             (Some(open), None) => Some(open),
@@ -488,9 +484,9 @@ mod tests {
     #[test]
     fn the_safe_offset_never_passes_what_was_read() {
         let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
-        assert_eq!(state.safe_offset(), None);
+        assert_eq!(state.safe_offset(None), None);
         state.mark_read(9);
-        assert_eq!(state.safe_offset(), Some(10));
+        assert_eq!(state.safe_offset(None), Some(10));
     }
 
     #[test]
@@ -541,7 +537,7 @@ mod tests {
         assert_eq!(progress.progress.next_ms, 0);
         state.window_document_completed(&orders, window(0));
         state.observe_time(Some(12_000));
-        state.settle_windows(&orders);
+        state.settle_windows(&orders, None);
         let progress = state.stream(&orders).window.clone().unwrap();
         assert_eq!(
             progress.progress.next_ms, 10_000,
@@ -550,7 +546,7 @@ mod tests {
         // [10, 20) has nothing; a document of [20, 30) completes first.
         state.window_document_completed(&orders, window(20));
         state.observe_time(Some(31_000));
-        state.settle_windows(&orders);
+        state.settle_windows(&orders, None);
         let progress = state.stream(&orders).window.clone().unwrap();
         assert_eq!(
             progress.progress.next_ms, 10_000,
@@ -560,7 +556,7 @@ mod tests {
         assert!(progress.reported(window(20)) && progress.reported(window(0)));
         // Its marker's empty report: then both are done.
         state.window_document_completed(&orders, window(10));
-        state.settle_windows(&orders);
+        state.settle_windows(&orders, None);
         let progress = state.stream(&orders).window.clone().unwrap();
         assert_eq!(progress.progress.next_ms, 30_000);
         assert!(progress.progress.started.is_empty());
@@ -585,7 +581,7 @@ mod tests {
             .window_progress(&orders, &windowed(true), 5_000)
             .unwrap();
         state.observe_time(Some(95_000));
-        state.settle_windows(&orders);
+        state.settle_windows(&orders, None);
         let progress = state.stream(&orders).window.clone().unwrap();
         assert_eq!(progress.progress.next_ms, 90_000);
     }
@@ -658,7 +654,7 @@ mod tests {
     fn a_completed_report_moves_the_watermark_and_skips_replays() {
         let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
         let orders = stream("orders");
-        state.report_completed(&orders, 41);
+        state.report_completed(&orders, 41, None);
         assert!(state.already_reported(&orders, 41));
         assert!(!state.already_reported(&orders, 42));
         assert!(!state.already_reported(&stream("other"), 1));
@@ -687,7 +683,7 @@ mod tests {
         );
         let mut new = PartitionState::from_watermarks(13, HashMap::new(), Arc::from("log"));
         new.change_definition(&orders, 7, windowed(false));
-        new.arrived(&orders, 7, Some(progress.clone()));
+        new.arrived(&orders, 7, Some(progress.clone()), None);
         assert!(
             new.already_reported(&orders, 7),
             "a replay applies the handover once"

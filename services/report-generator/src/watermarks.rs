@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
 use quire_log::LogIdentity;
-use quire_messages::{HEADER_KIND, StreamName, Watermark, records};
+use quire_messages::watermarks::{self as format, WatermarkEntry};
+use quire_messages::{StreamName, Watermark};
 use quire_queue::{InMessage, PartitionReader, ReadError, ReaderOptions};
 
 use crate::WorkerError;
@@ -86,7 +87,7 @@ pub fn load(
 
 /// What one watermark message did.
 #[derive(Debug, PartialEq, Eq)]
-enum Applied {
+pub(crate) enum Applied {
     Used,
     /// Of another log: ignored.
     Stale,
@@ -95,81 +96,61 @@ enum Applied {
 /// One message of the watermark log: the stream's latest watermark, or its
 /// tombstone; or the partition's dead-letter mark; or another of quire's
 /// own keys (a release, the layout, a move processed), skipped.
-fn apply(
+pub(crate) fn apply(
     topic: &str,
     message: &InMessage,
     log: &LogIdentity,
     loaded: &mut HashMap<i32, Loaded>,
 ) -> Result<Applied, WorkerError> {
-    if is_release(message) {
-        return Ok(Applied::Used);
-    }
     let partition = message.partition;
-    if records::is_dead_letter_mark(message.key.as_deref()) {
-        let mark = match message.payload.as_deref() {
-            Some(payload) => {
-                let mark = quire_messages::decode::<Watermark>("dead-letter mark", payload)
-                    .map_err(|error| {
-                        WorkerError::Config(format!(
-                            "dead-letter mark at {topic}[{partition}]@{} is unreadable: {error}",
-                            message.offset
-                        ))
-                    })?;
-                if !log.is_this_log(mark.log.as_deref()) {
+    let unreadable = |what: String, error: quire_messages::DecodeError| {
+        WorkerError::Config(format!(
+            "{what} at {topic}[{partition}]@{} is unreadable: {error}",
+            message.offset
+        ))
+    };
+    match format::read(
+        message.key.as_deref(),
+        &message.headers,
+        message.payload.as_deref(),
+    ) {
+        WatermarkEntry::Release | WatermarkEntry::Reserved => {}
+        WatermarkEntry::DeadLetterMark(mark) => {
+            let mark = mark.map_err(|error| unreadable("dead-letter mark".into(), error))?;
+            if let Some(mark) = &mark
+                && !log.is_this_log(mark.log.as_deref())
+            {
+                return Ok(Applied::Stale);
+            }
+            loaded.entry(partition).or_default().dead_letters_through =
+                mark.and_then(|mark| mark.dead_letters_through);
+        }
+        WatermarkEntry::InvalidKey => {
+            tracing::warn!(
+                partition,
+                offset = message.offset,
+                "watermark with an invalid key ignored"
+            );
+        }
+        WatermarkEntry::Stream(stream, watermark) => {
+            let watermark = watermark
+                .map_err(|error| unreadable(format!("watermark of stream {stream}"), error))?;
+            let watermarks = &mut loaded.entry(partition).or_default().streams;
+            match watermark {
+                Some(watermark) if !log.is_this_log(watermark.log.as_deref()) => {
                     return Ok(Applied::Stale);
                 }
-                mark.dead_letters_through
+                Some(watermark) => {
+                    watermarks.insert(stream, watermark);
+                }
+                // A tombstone (compaction) forgets the stream.
+                None => {
+                    watermarks.remove(&stream);
+                }
             }
-            None => None,
-        };
-        loaded.entry(partition).or_default().dead_letters_through = mark;
-        return Ok(Applied::Used);
-    }
-    if message.key.as_deref().is_some_and(records::is_reserved_key) {
-        return Ok(Applied::Used);
-    }
-    let Some(stream) = message
-        .key
-        .as_deref()
-        .and_then(|key| std::str::from_utf8(key).ok())
-        .and_then(|key| StreamName::new(key).ok())
-    else {
-        tracing::warn!(
-            partition,
-            offset = message.offset,
-            "watermark with an invalid key ignored"
-        );
-        return Ok(Applied::Used);
-    };
-    let watermarks = &mut loaded.entry(partition).or_default().streams;
-    match message
-        .payload
-        .as_deref()
-        .map(|payload| quire_messages::decode::<Watermark>("watermark", payload))
-    {
-        Some(Ok(watermark)) if !log.is_this_log(watermark.log.as_deref()) => {
-            return Ok(Applied::Stale);
-        }
-        Some(Ok(watermark)) => {
-            watermarks.insert(stream, watermark);
-        }
-        // A tombstone (compaction) forgets the stream.
-        None => {
-            watermarks.remove(&stream);
-        }
-        Some(Err(error)) => {
-            return Err(WorkerError::Config(format!(
-                "watermark of stream {stream} at {topic}[{partition}]@{} is unreadable: {error}",
-                message.offset
-            )));
         }
     }
     Ok(Applied::Used)
-}
-
-/// A worker producer's release message (see `worker::release_messages`).
-fn is_release(message: &InMessage) -> bool {
-    records::is_release(message.header(HEADER_KIND), message.key.as_deref())
 }
 
 /// A partition that stays unstable is the worker's own error (another worker
@@ -228,7 +209,7 @@ mod tests {
             apply("t", &message(b"orders", Some(other)), &log, &mut loaded).unwrap(),
             Applied::Stale
         );
-        let mark = records::dead_letter_mark(2, 40, "gone");
+        let mark = format::dead_letter_mark(2, 40, "gone");
         assert_eq!(
             apply(
                 "t",
@@ -239,7 +220,7 @@ mod tests {
             .unwrap(),
             Applied::Stale
         );
-        let layout = records::layout(&quire_messages::LogLayout::new("log", 12));
+        let layout = format::layout(&quire_messages::LogLayout::new("log", 12));
         assert_eq!(
             apply(
                 "t",
@@ -262,7 +243,7 @@ mod tests {
     fn the_reserved_key_loads_the_dead_letter_mark_beside_the_streams() {
         let mut loaded = HashMap::new();
         let log = first_log();
-        let mark = records::dead_letter_mark(2, 40, "log");
+        let mark = format::dead_letter_mark(2, 40, "log");
         apply(
             "t",
             &message(&mark.key.unwrap(), Some(mark.payload)),
@@ -284,7 +265,7 @@ mod tests {
         let orders = StreamName::new("orders").unwrap();
         assert_eq!(partition.streams[&orders].offset, Some(12));
         // A later mark replaces it; a tombstone forgets it.
-        let later = records::dead_letter_mark(2, 55, "log");
+        let later = format::dead_letter_mark(2, 55, "log");
         apply(
             "t",
             &message(&later.key.unwrap(), Some(later.payload)),
@@ -295,7 +276,7 @@ mod tests {
         assert_eq!(loaded[&2].dead_letters_through, Some(55));
         apply(
             "t",
-            &message(records::DEAD_LETTERS_KEY.as_bytes(), None),
+            &message(format::DEAD_LETTERS_KEY.as_bytes(), None),
             &log,
             &mut loaded,
         )

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use quire_config::Settings;
-use quire_messages::{LogLayout, PartitionMove, PartitionMoved, records};
+use quire_messages::{LogLayout, PartitionMove, PartitionMoved, records, watermarks};
 use quire_queue::{OutMessage, TopicTail};
 
 use crate::LogError;
@@ -269,7 +269,7 @@ async fn wait_until_moved(
         );
         tokio::task::spawn_blocking(move || {
             TopicTail::start(&kafka, "quire-growth", &topic, partitions, move |message| {
-                if message.key.as_deref() != Some(records::MOVED_KEY.as_bytes()) {
+                if message.key.as_deref() != Some(watermarks::MOVED_KEY.as_bytes()) {
                     return;
                 }
                 let Some(Ok(record)) = message.payload.as_deref().map(|payload| {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use quire_config::KafkaSettings;
-use quire_messages::{LogLayout, StreamName, records};
+use quire_messages::{LogLayout, StreamName, watermarks};
 use quire_queue::{InMessage, OutMessage, TopicIdentity, TopicTail};
 
 use crate::LogError;
@@ -38,7 +38,7 @@ pub struct ResolvedLayout {
 
 /// `layout` as a message of the watermark topic.
 pub fn layout_message(watermarks_topic: &str, layout: &LogLayout) -> OutMessage {
-    let message = records::layout(layout);
+    let message = watermarks::layout(layout);
     OutMessage::from_parts(
         watermarks_topic,
         message.key,
@@ -79,7 +79,7 @@ pub async fn record_layout(
 
 /// The layout a message of watermark partition 0 records, if it is one.
 fn layout_of(message: &InMessage) -> Option<Result<LogLayout, LogError>> {
-    if message.key.as_deref() != Some(records::LAYOUT_KEY.as_bytes()) {
+    if message.key.as_deref() != Some(watermarks::LAYOUT_KEY.as_bytes()) {
         return None;
     }
     let payload = message.payload.as_deref()?;
@@ -152,7 +152,7 @@ impl LayoutFollower {
             kafka,
             group_id,
             watermarks_topic,
-            records::LAYOUT_PARTITION + 1,
+            watermarks::LAYOUT_PARTITION + 1,
             move |message| match layout_of(&message) {
                 Some(Ok(layout)) => {
                     *store.lock().unwrap_or_else(PoisonError::into_inner) = Some(layout);
@@ -172,7 +172,9 @@ impl LayoutFollower {
     /// returns with it.
     pub async fn fresh(&self, limit: Duration) -> Result<(Option<LogLayout>, Instant), LogError> {
         let asked = Instant::now();
-        self.tail.catch_up(records::LAYOUT_PARTITION, limit).await?;
+        self.tail
+            .catch_up(watermarks::LAYOUT_PARTITION, limit)
+            .await?;
         let latest = self
             .latest
             .lock()

@@ -11,7 +11,9 @@
 //! a definition with `gzip` is version 2, one without stays version 1.
 //!
 //! The log `quire.records` holds, per stream key, in order (built and told
-//! apart by [`records`]; the bucket's keys are in [`layout`]):
+//! apart by [`records`]; the watermark topic's format is [`watermarks`]'s,
+//! the events' and dead letters' [`events`]; the bucket's keys are in
+//! [`layout`]):
 //! - records: the JSON object exactly as the producer sent it (header
 //!   `quire-kind: record`);
 //! - cut markers ([`CutMarker`], `quire-kind: cut`);
@@ -20,12 +22,14 @@
 //! Everything that decides a document's content is in that log.
 
 mod definition;
+pub mod events;
 pub mod key_template;
 pub mod layout;
 pub mod log;
 mod names;
 pub mod records;
 mod report;
+pub mod watermarks;
 pub mod window;
 
 use serde::{Deserialize, Serialize};

@@ -8,53 +8,21 @@
 //! | `record` | the stream | the producer's JSON object, byte for byte |
 //! | `cut` | the stream | a [`CutMarker`] |
 //! | `definition` | the stream | a [`Definition`] |
-//! | `release` | none (records) or [`RELEASE_KEY`] (compacted topics) | `{"v":1}` |
+//! | `release` | none (records) or `quire:release` (compacted topics) | `{"v":1}` |
 //! | `move` | none, one per partition of the old layout | a [`PartitionMove`] |
 //! | `handover` | the stream, on its new partition | a [`Handover`] |
 //!
-//! The watermark topic holds, beside each stream's [`crate::Watermark`],
-//! the partition layout on partition 0 under [`LAYOUT_KEY`] ([`layout`]).
-//! Keys starting `quire:` are quire's own ([`is_reserved_key`]): no stream
-//! name can start so.
-//!
-//! The watermarks topic is keyed by stream, plus two reserved keys no
-//! stream can have: [`RELEASE_KEY`] and [`DEAD_LETTERS_KEY`] (one per
-//! partition, [`dead_letter_mark`]).
+//! A reader tells them apart with [`read`]: what each message is, its
+//! stream and its decoded body, or why it is a dead letter. The watermark
+//! topic's format is `crate::watermarks`'s.
 //!
 //! Every message carries `quire-v: CURRENT_VERSION`; a reader refuses a
 //! newer one ([`unreadable_version`]), never misreads it.
 
 use crate::{
-    CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, Handover, LogLayout,
-    MessageKind, PartitionMove, PartitionMoved, StreamName, Watermark,
+    CURRENT_VERSION, CutMarker, Definition, HEADER_KIND, HEADER_VERSION, Handover, MessageKind,
+    PartitionMove, StreamName,
 };
-
-/// The key of release messages on a compacted topic (which refuses
-/// keyless messages): no stream can have it.
-pub const RELEASE_KEY: &str = "quire:release";
-
-/// The key of the partition layout on the watermark topic (partition 0).
-pub const LAYOUT_KEY: &str = "quire:layout";
-
-/// The watermark topic's partition that holds the layout.
-pub const LAYOUT_PARTITION: i32 = 0;
-
-/// The key under which a worker records, on watermark partition p, that it
-/// processed partition p's move marker ([`moved`]).
-pub const MOVED_KEY: &str = "quire:moved";
-
-/// Whether a key on a compacted topic is one of quire's own (a release, the
-/// layout, a move processed, a dead-letter mark), never a stream's.
-pub fn is_reserved_key(key: &[u8]) -> bool {
-    key.starts_with(b"quire:")
-}
-
-/// The key, on the watermarks topic, of a partition's dead-letter mark: a
-/// [`Watermark`] whose `dead_letters_through` is the highest offset of the
-/// record partition whose dead letter is published. Messages without a
-/// valid stream (no key, an invalid name) have their dead letters too, so
-/// the mark is the partition's, not a stream's.
-pub const DEAD_LETTERS_KEY: &str = "quire:dead-letters";
 
 /// One message as quire writes it, without its topic.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,27 +89,6 @@ pub fn handover(stream: &StreamName, partition: i32, handover: &Handover) -> Log
     }
 }
 
-/// The partition layout as the watermark topic holds it: key
-/// [`LAYOUT_KEY`] on [`LAYOUT_PARTITION`].
-pub fn layout(layout: &LogLayout) -> LogMessage {
-    LogMessage {
-        key: Some(LAYOUT_KEY.as_bytes().to_vec()),
-        headers: Vec::new(),
-        payload: crate::encode(layout),
-        partition: Some(LAYOUT_PARTITION),
-    }
-}
-
-/// On watermark partition `partition`: its move marker was processed.
-pub fn moved(partition: i32, moved: &PartitionMoved) -> LogMessage {
-    LogMessage {
-        key: Some(MOVED_KEY.as_bytes().to_vec()),
-        headers: Vec::new(),
-        payload: crate::encode(moved),
-        partition: Some(partition),
-    }
-}
-
 /// A release message for `partition` of the records topic (see
 /// [`MessageKind::Release`]): no key, no stream.
 pub fn release(partition: i32) -> LogMessage {
@@ -153,57 +100,25 @@ pub fn release(partition: i32) -> LogMessage {
     }
 }
 
-/// A release message for `partition` of a compacted topic: keyed
-/// [`RELEASE_KEY`].
-pub fn keyed_release(partition: i32) -> LogMessage {
-    LogMessage {
-        key: Some(RELEASE_KEY.as_bytes().to_vec()),
-        ..release(partition)
-    }
-}
-
-/// The dead-letter mark of record partition `partition`, for the same
-/// partition of the watermarks topic: every dead letter of a message at or
-/// below `through` is published, in the records log `log` (its topic id).
-pub fn dead_letter_mark(partition: i32, through: i64, log: &str) -> LogMessage {
-    let mark = Watermark {
-        v: CURRENT_VERSION,
-        partition,
-        offset: None,
-        definition: None,
-        window: None,
-        log: Some(log.to_owned()),
-        dead_letters_through: Some(through),
-    };
-    LogMessage {
-        key: Some(DEAD_LETTERS_KEY.as_bytes().to_vec()),
-        headers: Vec::new(),
-        payload: crate::encode(&mark),
-        partition: Some(partition),
-    }
-}
-
-/// Whether a watermark message's key is the reserved [`DEAD_LETTERS_KEY`].
-pub fn is_dead_letter_mark(key: Option<&[u8]>) -> bool {
-    key == Some(DEAD_LETTERS_KEY.as_bytes())
+/// The value of header `name` among `headers`.
+fn header<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
+    headers
+        .iter()
+        .find(|(found, _)| found == name)
+        .map(|(_, value)| value.as_slice())
 }
 
 /// What a message is, from its `quire-kind` header (`None`: absent or
 /// unknown).
-pub fn kind_of(kind_header: Option<&[u8]>) -> Option<MessageKind> {
-    kind_header.and_then(MessageKind::from_header)
-}
-
-/// Whether a message (its `quire-kind` header and key) is a release.
-pub fn is_release(kind_header: Option<&[u8]>, key: Option<&[u8]>) -> bool {
-    kind_of(kind_header) == Some(MessageKind::Release) || key == Some(RELEASE_KEY.as_bytes())
+pub fn kind_of(headers: &[(String, Vec<u8>)]) -> Option<MessageKind> {
+    header(headers, HEADER_KIND).and_then(MessageKind::from_header)
 }
 
 /// Why a message's `quire-v` header is one this release cannot read (newer
 /// than ours, or not a number); `None` for ours, older ones and no header
 /// (records written before the header existed).
-pub fn unreadable_version(version_header: Option<&[u8]>) -> Option<String> {
-    let header = version_header?;
+pub fn unreadable_version(headers: &[(String, Vec<u8>)]) -> Option<String> {
+    let header = header(headers, HEADER_VERSION)?;
     match std::str::from_utf8(header)
         .ok()
         .and_then(|text| text.trim().parse::<u32>().ok())
@@ -219,16 +134,113 @@ pub fn unreadable_version(version_header: Option<&[u8]>) -> Option<String> {
     }
 }
 
+/// A message of the records topic as a reader sees it: told apart by its
+/// `quire-kind` header and its key, its body decoded. `Err` and
+/// [`Incoming::Invalid`] hold why the message is a dead letter.
+// One per message read, moved once into the worker's decision and never
+// stored: boxing the definition would cost an allocation per definition for
+// nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Incoming<'a> {
+    /// A producer releasing its partitions: no stream, nothing to render.
+    Release,
+    /// A growth of the partition layout: partition-wide, no stream.
+    Move(Result<PartitionMove, String>),
+    /// A message of a stream.
+    Stream(StreamName, StreamMessage<'a>),
+    /// Nothing can be made of it (no kind, no valid stream).
+    Invalid(String),
+}
+
+/// A message of a stream, its body decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamMessage<'a> {
+    /// The producer's JSON text; `Err`: a version this release cannot read.
+    Record(Result<&'a [u8], String>),
+    Cut(Result<CutMarker, String>),
+    /// A definition change, validated.
+    Definition(Result<Definition, String>),
+    /// The stream arriving on its new partition; its definition validated.
+    Handover(Result<Handover, String>),
+}
+
+/// Tells a message of the records topic apart (see [`Incoming`]).
+pub fn read<'a>(
+    key: Option<&'a [u8]>,
+    headers: &'a [(String, Vec<u8>)],
+    payload: &'a [u8],
+) -> Incoming<'a> {
+    let kind = match kind_of(headers) {
+        Some(MessageKind::Release) => return Incoming::Release,
+        Some(MessageKind::Move) => return Incoming::Move(read_move(payload)),
+        Some(kind) => kind,
+        None => return Incoming::Invalid("missing or unknown quire-kind header".into()),
+    };
+    let stream = match key.map(std::str::from_utf8) {
+        None | Some(Err(_)) => {
+            return Incoming::Invalid("message has no UTF-8 key (stream name)".into());
+        }
+        Some(Ok(name)) => match StreamName::new(name) {
+            Ok(stream) => stream,
+            Err(error) => return Incoming::Invalid(format!("invalid stream name: {error}")),
+        },
+    };
+    let message = match kind {
+        MessageKind::Release | MessageKind::Move => unreachable!("told apart above"),
+        MessageKind::Record => StreamMessage::Record(match unreadable_version(headers) {
+            // Refused by name, never misread as the version we know.
+            Some(reason) => Err(reason),
+            None => Ok(payload),
+        }),
+        MessageKind::Cut => StreamMessage::Cut(
+            crate::decode::<CutMarker>("cut marker", payload)
+                .map_err(|error| format!("invalid cut marker: {error}")),
+        ),
+        MessageKind::Definition => StreamMessage::Definition(
+            crate::decode::<Definition>("definition", payload)
+                .map_err(|error| error.to_string())
+                .and_then(|definition| {
+                    definition
+                        .validate()
+                        .map(|()| definition)
+                        .map_err(|error| error.to_string())
+                })
+                .map_err(|reason| format!("invalid definition: {reason}")),
+        ),
+        MessageKind::Handover => StreamMessage::Handover(read_handover(payload)),
+    };
+    Incoming::Stream(stream, message)
+}
+
+fn read_move(payload: &[u8]) -> Result<PartitionMove, String> {
+    match crate::decode::<PartitionMove>("move marker", payload) {
+        Ok(marker) if marker.from > 0 && marker.to > marker.from => Ok(marker),
+        Ok(marker) => Err(format!(
+            "move marker from {} to {} partitions",
+            marker.from, marker.to
+        )),
+        Err(error) => Err(format!("invalid move marker: {error}")),
+    }
+}
+
+fn read_handover(payload: &[u8]) -> Result<Handover, String> {
+    let arrived = crate::decode::<Handover>("handover", payload)
+        .map_err(|error| format!("invalid handover: {error}"))?;
+    if let Some(definition) = &arrived.definition {
+        definition
+            .validate()
+            .map_err(|error| format!("handover with an invalid definition: {error}"))?;
+    }
+    Ok(arrived)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn header<'a>(message: &'a LogMessage, name: &str) -> Option<&'a [u8]> {
-        message
-            .headers
-            .iter()
-            .find(|(found, _)| found == name)
-            .map(|(_, value)| value.as_slice())
+    fn read_back(message: &LogMessage) -> Incoming<'_> {
+        read(message.key.as_deref(), &message.headers, &message.payload)
     }
 
     #[test]
@@ -238,7 +250,6 @@ mod tests {
             (record(&stream, br#"{"a":1}"#), MessageKind::Record),
             (cut(&stream, &CutMarker::explicit()), MessageKind::Cut),
             (release(3), MessageKind::Release),
-            (keyed_release(3), MessageKind::Release),
             (
                 partition_move(3, &PartitionMove::new(12, 16)),
                 MessageKind::Move,
@@ -259,9 +270,12 @@ mod tests {
             ),
         ];
         for (message, kind) in messages {
-            assert_eq!(kind_of(header(&message, HEADER_KIND)), Some(kind));
-            assert_eq!(header(&message, HEADER_VERSION), Some(b"1".as_slice()));
-            assert_eq!(unreadable_version(header(&message, HEADER_VERSION)), None);
+            assert_eq!(kind_of(&message.headers), Some(kind));
+            assert_eq!(
+                header(&message.headers, HEADER_VERSION),
+                Some(b"1".as_slice())
+            );
+            assert_eq!(unreadable_version(&message.headers), None);
         }
     }
 
@@ -273,76 +287,97 @@ mod tests {
         assert_eq!(message.payload, text);
         assert_eq!(message.key.as_deref(), Some(b"orders".as_slice()));
         assert_eq!(message.partition, None);
+        assert_eq!(
+            read_back(&message),
+            Incoming::Stream(stream, StreamMessage::Record(Ok(text.as_slice())))
+        );
     }
 
     #[test]
-    fn moves_and_handovers_go_to_the_partition_they_name_and_the_layout_to_zero() {
+    fn moves_and_handovers_go_to_the_partition_they_name() {
         let stream = StreamName::new("orders").unwrap();
         let marker = partition_move(5, &PartitionMove::new(12, 16));
         assert_eq!((marker.key.as_deref(), marker.partition), (None, Some(5)));
-        let arrival = handover(
-            &stream,
-            13,
-            &Handover {
-                v: CURRENT_VERSION,
-                from_partition: 5,
-                from_offset: 9,
-                definition: None,
-                window: None,
-            },
+        assert_eq!(
+            read_back(&marker),
+            Incoming::Move(Ok(PartitionMove::new(12, 16)))
         );
+        let arrived = Handover {
+            v: CURRENT_VERSION,
+            from_partition: 5,
+            from_offset: 9,
+            definition: None,
+            window: None,
+        };
+        let arrival = handover(&stream, 13, &arrived);
         assert_eq!(arrival.key.as_deref(), Some(b"orders".as_slice()));
         assert_eq!(arrival.partition, Some(13));
-        let stored = layout(&LogLayout::new("id", 16));
-        assert_eq!(stored.partition, Some(LAYOUT_PARTITION));
-        assert!(is_reserved_key(stored.key.as_deref().unwrap()));
-        assert!(is_reserved_key(RELEASE_KEY.as_bytes()));
-        assert!(!is_reserved_key(b"orders"));
-    }
-
-    #[test]
-    fn releases_are_told_apart_with_or_without_their_header() {
-        let plain = release(5);
-        assert_eq!((plain.key.as_deref(), plain.partition), (None, Some(5)));
-        assert!(is_release(header(&plain, HEADER_KIND), None));
-        let keyed = keyed_release(5);
-        assert!(is_release(None, keyed.key.as_deref()));
-        assert!(!is_release(Some(b"record"), Some(b"orders")));
-    }
-
-    #[test]
-    fn a_dead_letter_mark_is_a_watermark_under_the_reserved_key() {
-        let mark = dead_letter_mark(7, 41, "log");
-        assert_eq!(mark.partition, Some(7));
-        assert!(is_dead_letter_mark(mark.key.as_deref()));
-        assert!(!is_dead_letter_mark(Some(b"orders")));
-        assert!(!is_release(None, mark.key.as_deref()));
-        assert!(
-            StreamName::new(DEAD_LETTERS_KEY).is_err(),
-            "no stream can take the reserved key"
-        );
-        let read: Watermark = crate::decode("watermark", &mark.payload).unwrap();
         assert_eq!(
-            (read.partition, read.offset, read.dead_letters_through),
-            (7, None, Some(41))
+            read_back(&arrival),
+            Incoming::Stream(stream, StreamMessage::Handover(Ok(arrived)))
         );
     }
 
     #[test]
-    fn a_watermark_written_before_dead_letter_marks_still_loads() {
-        let old = br#"{"v":1,"partition":3,"offset":12}"#;
-        let read: Watermark = crate::decode("watermark", old).unwrap();
-        assert_eq!((read.offset, read.dead_letters_through), (Some(12), None));
+    fn each_message_reads_back_as_what_it_is_or_why_it_is_a_dead_letter() {
+        let stream = StreamName::new("orders").unwrap();
+        assert_eq!(read_back(&release(5)), Incoming::Release);
+        assert_eq!(
+            read_back(&cut(&stream, &CutMarker::explicit())),
+            Incoming::Stream(
+                stream.clone(),
+                StreamMessage::Cut(Ok(CutMarker::explicit()))
+            )
+        );
+        let renamed = Definition {
+            root: "orders".into(),
+            ..Definition::default()
+        };
+        assert_eq!(
+            read_back(&definition(&stream, &renamed)),
+            Incoming::Stream(stream.clone(), StreamMessage::Definition(Ok(renamed)))
+        );
+        let invalid = |reason: &str| Incoming::Invalid(reason.to_owned());
+        assert_eq!(
+            read(Some(b"orders"), &[], b"{}"),
+            invalid("missing or unknown quire-kind header")
+        );
+        let record_headers = record(&stream, b"{}").headers;
+        assert_eq!(
+            read(None, &record_headers, b"{}"),
+            invalid("message has no UTF-8 key (stream name)")
+        );
+        assert!(matches!(
+            read(Some(b"a b"), &record_headers, b"{}"),
+            Incoming::Invalid(reason) if reason.starts_with("invalid stream name: ")
+        ));
+        let cut_headers = cut(&stream, &CutMarker::explicit()).headers;
+        assert!(matches!(
+            read(Some(b"orders"), &cut_headers, b"{"),
+            Incoming::Stream(_, StreamMessage::Cut(Err(reason))) if reason.starts_with("invalid cut marker: ")
+        ));
+        let backwards = partition_move(5, &PartitionMove::new(16, 12));
+        assert_eq!(
+            read_back(&backwards),
+            Incoming::Move(Err("move marker from 16 to 12 partitions".into()))
+        );
     }
 
     #[test]
     fn newer_or_garbled_versions_are_refused_by_name() {
-        assert_eq!(unreadable_version(None), None);
-        assert_eq!(unreadable_version(Some(b"0")), None);
+        let version = |value: &[u8]| vec![(HEADER_VERSION.to_owned(), value.to_vec())];
+        assert_eq!(unreadable_version(&[]), None);
+        assert_eq!(unreadable_version(&version(b"0")), None);
         let newer = (CURRENT_VERSION + 1).to_string();
-        let reason = unreadable_version(Some(newer.as_bytes())).unwrap();
+        let reason = unreadable_version(&version(newer.as_bytes())).unwrap();
         assert!(reason.contains(&format!("version {newer}")), "{reason}");
-        let reason = unreadable_version(Some(b"two")).unwrap();
+        let reason = unreadable_version(&version(b"two")).unwrap();
         assert!(reason.contains("unreadable quire-v header"), "{reason}");
+        let mut headers = version(newer.as_bytes());
+        headers.push((HEADER_KIND.to_owned(), b"record".to_vec()));
+        assert!(matches!(
+            read(Some(b"orders"), &headers, b"{}"),
+            Incoming::Stream(_, StreamMessage::Record(Err(_)))
+        ));
     }
 }
