@@ -35,7 +35,7 @@
 //!    render to `{5 digits}-{20 digits}.xml` (`.xml.gz`): that shape is how
 //!    the take-over sweep knows a document's partition
 //!    (`layout::report_key_belongs_to`), so no other file name may wear it
-//!    (see [`could_look_like_a_partition_file`]);
+//!    (see `file_name.rs`: `could_look_like_a_partition_file`);
 //! 9. the longest key it can render, with a stream name of
 //!    [`StreamName::MAX_LENGTH`] bytes and the other placeholders at their
 //!    fixed widths, fits in S3's 1024 bytes.
@@ -43,14 +43,21 @@
 //! Numbers are zero-padded to fixed widths (`{partition}` to 5 digits,
 //! `{first_offset}` to 20, like the default layout) so that the keys of one
 //! partition sort in log order.
-
-use std::fmt;
+//!
+//! This module holds the rules and [`validate`]; `pieces.rs` reads a
+//! template as text and placeholders (rule 4), `file_name.rs` is rule 8, and
+//! `rendering.rs` fills a template in ([`render`]).
 
 use crate::StreamName;
 use crate::layout::REPORTS_PREFIX;
 
 mod file_name;
+mod pieces;
+mod rendering;
+
 use file_name::could_look_like_a_partition_file;
+use pieces::{Piece, Pieces, Placeholder};
+pub use rendering::render;
 
 /// What every template starts with: a stream's documents stay under its own
 /// name (rule 2 of the module's documentation).
@@ -242,14 +249,6 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
     Ok(())
 }
 
-/// The key of a document; `template` must have passed [`validate`].
-///
-/// Rendering never fails: should an unchecked template hold a malformed or
-/// unknown placeholder, the text from there on is copied as written.
-pub fn render(template: &str, parts: &KeyParts<'_>) -> String {
-    Rendered { template, parts }.to_string()
-}
-
 /// Whether `character` may appear outside placeholders.
 fn is_literal_char(character: char) -> bool {
     character.is_ascii_alphanumeric() || matches!(character, '/' | '.' | '_' | '-' | '=')
@@ -294,167 +293,9 @@ impl Segment {
     }
 }
 
-/// One of [`PLACEHOLDERS`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Placeholder {
-    Stream,
-    Year,
-    Month,
-    Day,
-    Hour,
-    Partition,
-    FirstOffset,
-}
-
-impl Placeholder {
-    fn from_name(name: &str) -> Option<Self> {
-        Some(match name {
-            "stream" => Placeholder::Stream,
-            "yyyy" => Placeholder::Year,
-            "mm" => Placeholder::Month,
-            "dd" => Placeholder::Day,
-            "hh" => Placeholder::Hour,
-            "partition" => Placeholder::Partition,
-            "first_offset" => Placeholder::FirstOffset,
-            _ => return None,
-        })
-    }
-
-    /// The most bytes it renders to.
-    fn max_width(self) -> usize {
-        match self {
-            Placeholder::Stream => StreamName::MAX_LENGTH,
-            Placeholder::Year => 4,
-            Placeholder::Month | Placeholder::Day | Placeholder::Hour => 2,
-            Placeholder::Partition => 5,
-            Placeholder::FirstOffset => 20,
-        }
-    }
-
-    fn write(self, parts: &KeyParts<'_>, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Placeholder::Stream => formatter.write_str(parts.stream),
-            Placeholder::Year => write!(formatter, "{:04}", parts.year),
-            Placeholder::Month => write!(formatter, "{:02}", parts.month),
-            Placeholder::Day => write!(formatter, "{:02}", parts.day),
-            Placeholder::Hour => write!(formatter, "{:02}", parts.hour),
-            Placeholder::Partition => write!(formatter, "{:05}", parts.partition),
-            Placeholder::FirstOffset => write!(formatter, "{:020}", parts.first_offset),
-        }
-    }
-}
-
-/// A run of a template: text copied as is, or a placeholder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Piece<'a> {
-    Literal(&'a str),
-    Placeholder(Placeholder),
-}
-
-/// A template's pieces with their byte offsets, in order. After a syntax
-/// error it stops, leaving `rest` at the offending brace.
-struct Pieces<'a> {
-    rest: &'a str,
-    at: usize,
-    failed: bool,
-}
-
-impl<'a> Pieces<'a> {
-    fn new(template: &'a str) -> Self {
-        Pieces {
-            rest: template,
-            at: 0,
-            failed: false,
-        }
-    }
-
-    /// Moves past the first `length` bytes, yielding `piece`.
-    fn advance(&mut self, length: usize, piece: Piece<'a>) -> (usize, Piece<'a>) {
-        let at = self.at;
-        self.rest = &self.rest[length..];
-        self.at += length;
-        (at, piece)
-    }
-
-    /// Reads the placeholder `rest` starts with (at a `{`).
-    fn placeholder(&mut self) -> Result<(usize, Piece<'a>), TemplateError> {
-        let at = self.at;
-        let body = &self.rest[1..];
-        let end = body
-            .find(['{', '}'])
-            .ok_or(TemplateError::UnclosedBrace { at })?;
-        if body[end..].starts_with('{') {
-            return Err(TemplateError::NestedBrace {
-                at,
-                inner: at + 1 + end,
-            });
-        }
-        let name = &body[..end];
-        let placeholder =
-            Placeholder::from_name(name).ok_or_else(|| TemplateError::UnknownPlaceholder {
-                name: name.to_owned(),
-            })?;
-        Ok(self.advance(end + 2, Piece::Placeholder(placeholder)))
-    }
-}
-
-impl<'a> Iterator for Pieces<'a> {
-    type Item = Result<(usize, Piece<'a>), TemplateError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.failed || self.rest.is_empty() {
-            return None;
-        }
-        let item = match self.rest.find(['{', '}']) {
-            None => Ok(self.advance(self.rest.len(), Piece::Literal(self.rest))),
-            Some(0) if self.rest.starts_with('}') => Err(TemplateError::StrayBrace { at: self.at }),
-            Some(0) => self.placeholder(),
-            Some(brace) => Ok(self.advance(brace, Piece::Literal(&self.rest[..brace]))),
-        };
-        self.failed = item.is_err();
-        Some(item)
-    }
-}
-
-/// A template filled in, written piece by piece.
-struct Rendered<'t, 'p> {
-    template: &'t str,
-    parts: &'p KeyParts<'p>,
-}
-
-impl fmt::Display for Rendered<'_, '_> {
-    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut pieces = Pieces::new(self.template);
-        for piece in pieces.by_ref() {
-            match piece {
-                Ok((_, Piece::Literal(text))) => formatter.write_str(text)?,
-                Ok((_, Piece::Placeholder(placeholder))) => {
-                    placeholder.write(self.parts, formatter)?;
-                }
-                Err(_) => break,
-            }
-        }
-        formatter.write_str(pieces.rest)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const HIVE: &str = "reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml";
-
-    fn parts(partition: i32, first_offset: i64) -> KeyParts<'static> {
-        KeyParts {
-            stream: "orders",
-            year: 2026,
-            month: 3,
-            day: 29,
-            hour: 5,
-            partition,
-            first_offset,
-        }
-    }
 
     /// The template's error, checking its message names `needle`.
     pub(super) fn refused(template: &str, gzip: bool, needle: &str) -> TemplateError {
@@ -463,43 +304,6 @@ mod tests {
         assert!(message.starts_with("key_template "), "{message}");
         assert!(message.contains(needle), "{message:?} lacks {needle:?}");
         error
-    }
-
-    #[test]
-    fn placeholders_match_their_names() {
-        for name in PLACEHOLDERS {
-            assert!(Placeholder::from_name(name).is_some(), "{name}");
-        }
-        assert_eq!(
-            placeholder_list(),
-            "{stream}, {yyyy}, {mm}, {dd}, {hh}, {partition}, {first_offset}"
-        );
-    }
-
-    #[test]
-    fn the_hive_example_renders_as_documented() {
-        assert_eq!(validate(HIVE, false), Ok(()));
-        assert_eq!(
-            render(HIVE, &parts(3, 42)),
-            "reports/orders/dt=2026-03-29/00003-00000000000000000042.xml"
-        );
-        let hourly = "reports/{stream}/{yyyy}/{mm}/{dd}/{hh}/{partition}-{first_offset}.xml";
-        assert_eq!(validate(hourly, false), Ok(()));
-        assert_eq!(
-            render(hourly, &parts(3, 42)),
-            "reports/orders/2026/03/29/05/00003-00000000000000000042.xml"
-        );
-    }
-
-    #[test]
-    fn the_default_layout_is_a_valid_template() {
-        let template = "reports/{stream}/{partition}-{first_offset}.xml.gz";
-        assert_eq!(validate(template, true), Ok(()));
-        let stream = StreamName::new("orders").unwrap();
-        assert_eq!(
-            render(template, &parts(3, 42)),
-            crate::layout::report_key(&stream, 3, 42, true, None)
-        );
     }
 
     #[test]
@@ -581,84 +385,6 @@ mod tests {
                 TemplateError::WrongExtension { gzip: false }
             );
         }
-    }
-
-    #[test]
-    fn unknown_placeholders_are_named() {
-        let error = refused(
-            "reports/{date}/{partition}-{first_offset}.xml",
-            false,
-            "unknown placeholder {date}; use {stream}, {yyyy}, {mm}, {dd}, {hh}, {partition}, {first_offset}",
-        );
-        assert_eq!(
-            error,
-            TemplateError::UnknownPlaceholder {
-                name: "date".to_owned()
-            }
-        );
-        for (template, name) in [
-            ("reports/{}/{partition}-{first_offset}.xml", ""),
-            ("reports/{Stream}/{partition}-{first_offset}.xml", "Stream"),
-            (
-                "reports/{ stream }/{partition}-{first_offset}.xml",
-                " stream ",
-            ),
-            (
-                "reports/{stream/x}/{partition}-{first_offset}.xml",
-                "stream/x",
-            ),
-        ] {
-            assert_eq!(
-                refused(template, false, &format!("{{{name}}}")),
-                TemplateError::UnknownPlaceholder {
-                    name: name.to_owned()
-                }
-            );
-        }
-    }
-
-    #[test]
-    fn unbalanced_and_nested_braces_are_refused() {
-        assert_eq!(
-            refused(
-                "reports/{partition}-{first_offset.xml",
-                false,
-                "never closed"
-            ),
-            TemplateError::UnclosedBrace { at: 20 }
-        );
-        assert_eq!(
-            refused(
-                "reports/{stream/{partition}-{first_offset}.xml",
-                false,
-                "do not nest"
-            ),
-            TemplateError::NestedBrace { at: 8, inner: 16 }
-        );
-        assert_eq!(
-            refused(
-                "reports/{{stream}}/{partition}-{first_offset}.xml",
-                false,
-                "do not nest"
-            ),
-            TemplateError::NestedBrace { at: 8, inner: 9 }
-        );
-        assert_eq!(
-            refused(
-                "reports/stream}/{partition}-{first_offset}.xml",
-                false,
-                "closes no placeholder"
-            ),
-            TemplateError::StrayBrace { at: 14 }
-        );
-        assert_eq!(
-            refused(
-                "reports/{partition}}-{first_offset}.xml",
-                false,
-                "'}' at offset 19"
-            ),
-            TemplateError::StrayBrace { at: 19 }
-        );
     }
 
     #[test]
@@ -803,29 +529,5 @@ mod tests {
             refused(&template, false, "S3 keys are at most 1024"),
             TemplateError::KeyTooLong { longest: 1025 }
         );
-    }
-
-    #[test]
-    fn keys_are_unique_and_sort_in_log_order() {
-        let first = render(HIVE, &parts(3, 42));
-        assert_ne!(first, render(HIVE, &parts(4, 42)));
-        assert_ne!(first, render(HIVE, &parts(3, 43)));
-        assert_ne!(render(HIVE, &parts(1, 23)), render(HIVE, &parts(12, 3)));
-        let offsets = [0, 9, 10, 99, 100, 1_000_000, 42_000_000_000, i64::MAX];
-        let keys: Vec<String> = offsets
-            .iter()
-            .map(|&offset| render(HIVE, &parts(3, offset)))
-            .collect();
-        assert!(keys.is_sorted(), "{keys:#?}");
-        assert!(keys.iter().all(|key| key.len() == keys[0].len()));
-    }
-
-    #[test]
-    fn an_unchecked_template_renders_without_panicking() {
-        assert_eq!(
-            render("reports/{partition}/{date}/{stream}.xml", &parts(3, 42)),
-            "reports/00003/{date}/{stream}.xml"
-        );
-        assert_eq!(render("", &parts(3, 42)), "");
     }
 }

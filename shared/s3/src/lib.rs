@@ -21,6 +21,7 @@
 //!   rules where the server has them, else a periodic sweep
 //!   ([`S3Bucket::expire_older_than`]).
 
+mod bucket;
 mod calls;
 mod client;
 mod counters;
@@ -31,6 +32,7 @@ mod retention;
 mod sweep;
 mod writer;
 
+pub use bucket::S3Bucket;
 pub use client::build_client;
 pub use counters::{CountersSnapshot, WriterCounters};
 pub use error::WriterError;
@@ -43,7 +45,7 @@ pub use retention::{
     ExpiredObjects, LIFECYCLE_RULE_ID_PREFIX, LifecycleOutcome, Retention, spawn_retention,
     start_retention,
 };
-pub use sweep::{PendingUpload, S3Bucket};
+pub use sweep::PendingUpload;
 pub use writer::{MultipartWriter, WrittenObject};
 
 /// The SDK this crate is built on, for callers that need its types.

@@ -28,10 +28,10 @@ use quire_config::S3Settings;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::bucket::S3Bucket;
 use crate::calls::{CallLabel, call_settings_without_retries, with_retries};
 use crate::error::WriterError;
 use crate::policy::RetryPolicy;
-use crate::sweep::S3Bucket;
 
 /// Ids of the lifecycle rules this module owns start with this.
 pub const LIFECYCLE_RULE_ID_PREFIX: &str = "quire-retention-";

@@ -1,25 +1,10 @@
-//! The bucket handle, and the take-over sweep of pending multipart uploads.
+//! The take-over sweep: pending multipart uploads a dead owner left behind,
+//! listed and aborted.
 
-use std::sync::Arc;
-
-use aws_sdk_s3::Client;
-
+use crate::bucket::S3Bucket;
 use crate::calls::{CallLabel, abort_upload, call_settings_without_retries, with_retries};
-use crate::counters::WriterCounters;
 use crate::error::WriterError;
-use crate::memory::MemoryPool;
-use crate::policy::{RetryPolicy, UploadPolicy};
-use crate::writer::MultipartWriter;
-
-/// One bucket, the client that reaches it, and the counters its writers add to.
-#[derive(Debug, Clone)]
-pub struct S3Bucket {
-    client: Client,
-    name: String,
-    counters: Arc<WriterCounters>,
-    /// The memory every writer of this handle (and its clones) shares.
-    memory: Arc<MemoryPool>,
-}
+use crate::policy::RetryPolicy;
 
 /// A multipart upload that was started and neither completed nor aborted.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,80 +14,6 @@ pub struct PendingUpload {
 }
 
 impl S3Bucket {
-    /// A handle on bucket `name`, with counters of its own.
-    pub fn new(client: Client, name: impl Into<String>) -> Self {
-        let counters: Arc<WriterCounters> = Arc::default();
-        S3Bucket {
-            client,
-            name: name.into(),
-            memory: Arc::new(MemoryPool::unlimited(counters.clone())),
-            counters,
-        }
-    }
-
-    /// Makes the writers and sweeps of this handle add to `counters` (one set
-    /// per process, read by its metrics).
-    pub fn with_counters(mut self, counters: Arc<WriterCounters>) -> Self {
-        // A new unlimited pool reports to the new counters; call
-        // `with_memory` afterwards for a budget.
-        self.memory = Arc::new(MemoryPool::unlimited(counters.clone()));
-        self.counters = counters;
-        self
-    }
-
-    /// Makes every writer of this handle share `memory`: its budget, its
-    /// limit on parts in flight and its spill directory. Build the pool with
-    /// this handle's counters, so its gauges reach them.
-    pub fn with_memory(mut self, memory: Arc<MemoryPool>) -> Self {
-        self.memory = memory;
-        self
-    }
-
-    pub fn memory(&self) -> &Arc<MemoryPool> {
-        &self.memory
-    }
-
-    pub fn client(&self) -> &Client {
-        &self.client
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    pub fn counters(&self) -> &Arc<WriterCounters> {
-        &self.counters
-    }
-
-    /// A writer for one document at `key`, under `policy`, stored with the
-    /// server's default content type. Nothing is sent to S3 until the first
-    /// part is full (or `finish()`).
-    pub fn writer(
-        &self,
-        key: impl Into<String>,
-        policy: &UploadPolicy,
-    ) -> Result<MultipartWriter, WriterError> {
-        self.typed_writer(key, None, policy)
-    }
-
-    /// [`writer`](Self::writer), the object stored with `content_type`.
-    pub fn typed_writer(
-        &self,
-        key: impl Into<String>,
-        content_type: Option<&str>,
-        policy: &UploadPolicy,
-    ) -> Result<MultipartWriter, WriterError> {
-        MultipartWriter::new(
-            self.client.clone(),
-            self.name.clone(),
-            key.into(),
-            content_type.map(str::to_owned),
-            policy,
-            self.counters.clone(),
-            self.memory.clone(),
-        )
-    }
-
     /// Every pending multipart upload whose key starts with `prefix`, all
     /// pages of ListMultipartUploads.
     pub async fn list_pending_uploads(
@@ -115,10 +26,10 @@ impl S3Bucket {
         let mut key_marker: Option<String> = None;
         let mut upload_id_marker: Option<String> = None;
         loop {
-            let page = with_retries(&retry, &self.counters, &call, |_attempt| {
-                self.client
+            let page = with_retries(&retry, self.counters(), &call, |_attempt| {
+                self.client()
                     .list_multipart_uploads()
-                    .bucket(&self.name)
+                    .bucket(self.name())
                     .prefix(prefix)
                     .set_key_marker(key_marker.clone())
                     .set_upload_id_marker(upload_id_marker.clone())
@@ -128,7 +39,7 @@ impl S3Bucket {
             })
             .await
             .map_err(|failure| WriterError::ListUploads {
-                bucket: self.name.clone(),
+                bucket: self.name().to_owned(),
                 prefix: prefix.to_owned(),
                 detail: failure.detail,
             })?;
@@ -148,7 +59,7 @@ impl S3Bucket {
             if !advances {
                 // A server that says "truncated" without moving its markers
                 // would loop us forever; what we have is what we can get.
-                tracing::warn!(bucket = %self.name, prefix, "listing of pending uploads is truncated but does not advance");
+                tracing::warn!(bucket = %self.name(), prefix, "listing of pending uploads is truncated but does not advance");
                 return Ok(pending);
             }
             key_marker = next_key_marker;
@@ -185,26 +96,26 @@ impl S3Bucket {
         let mut aborted = 0;
         for upload in &pending {
             let aborted_now = abort_upload(
-                &self.client,
-                &self.name,
+                self.client(),
+                self.name(),
                 &upload.key,
                 &upload.upload_id,
                 &retry,
-                &self.counters,
+                self.counters(),
                 call_settings_without_retries(),
             )
             .await?;
             if aborted_now {
                 aborted += 1;
                 tracing::info!(
-                    bucket = %self.name,
+                    bucket = %self.name(),
                     key = %upload.key,
                     upload_id = %upload.upload_id,
                     "pending multipart upload aborted by take-over sweep"
                 );
             }
         }
-        tracing::info!(bucket = %self.name, prefix, found = pending.len(), aborted, "take-over sweep done");
+        tracing::info!(bucket = %self.name(), prefix, found = pending.len(), aborted, "take-over sweep done");
         Ok(aborted)
     }
 }

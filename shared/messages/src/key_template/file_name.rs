@@ -3,7 +3,7 @@
 //! that shape, which is how the take-over sweep knows a document's
 //! partition (`layout::report_key_belongs_to`).
 
-use super::{Piece, Pieces, Placeholder};
+use super::pieces::{Piece, Pieces, Placeholder};
 use crate::StreamName;
 
 /// One character of a partition's file name, as the take-over sweep reads
