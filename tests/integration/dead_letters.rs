@@ -18,7 +18,7 @@ const LONG: Duration = Duration::from_secs(120);
 /// records since it started (`quire_worker_records_total` counts committed
 /// arrays only): it has read the open document's messages again, and the
 /// transactions that carried their dead letters, if any, are committed.
-async fn wait_for_committed_records(worker: &mut WorkerProcess, base: &str, records: f64) {
+pub(crate) async fn wait_for_committed_records(worker: &mut WorkerProcess, base: &str, records: f64) {
     let deadline = Instant::now() + LONG;
     loop {
         if let Some(status) = worker.exited() {
@@ -168,5 +168,106 @@ async fn each_dead_letter_is_published_once_across_a_kill_and_a_graceful_restart
         stream.to_owned(),
         (0..next_seq).collect(),
     )]));
+    assert!(worker.exited().is_none(), "the worker stopped");
+}
+
+/// A record that cannot be rendered never opens a document, whatever the
+/// worker had open when it read it. A replay reads it again from the
+/// committed offset (held back by another stream's open document) after
+/// its stream's window was reported: if it opened a document then, the
+/// next window's report would begin at the dead letter, in the replay and
+/// not in the first run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_opens_no_document_when_a_replay_reads_it_again() {
+    let stack = TestStack::create("dead-opens").await;
+    let api = stack.start_api().await;
+    let windowed = &quire_tests::unique("dlwin");
+    let partition = partition_of(windowed, 12);
+    // A plain stream on the same partition, whose open document keeps the
+    // committed offset before the windowed stream's messages.
+    let plain = (0..)
+        .map(|_| quire_tests::unique("dlplain"))
+        .find(|name| partition_of(name, 12) == partition)
+        .expect("a stream on the partition");
+    api.put_definition(
+        windowed,
+        serde_json::json!({
+            "window": {"every": "3s", "time_zone": "UTC", "grace": "1s", "skip_empty": true}
+        }),
+    )
+    .await;
+    let (mut worker, _) = stack.worker("w1").spawn_monitored();
+    api.send_ok(&plain, &quire_tests::records(&plain, 0, 1)).await;
+
+    let topic = stack.topics.records.clone();
+    let record_headers = [(HEADER_KIND, "record"), (HEADER_VERSION, "1")];
+    let producer = TransactionalProducer::connect(&stack.kafka, &quire_tests::unique("test-opens"))
+        .await
+        .expect("a producer");
+    let ids = producer
+        .transact(vec![
+            good_record(&topic, windowed, 0),
+            records_message(&topic, windowed, b"[1, 2]", &record_headers),
+        ])
+        .await
+        .expect("publish");
+    let poison = ids[1];
+    assert_eq!(poison.partition, partition as i32, "on the plain stream's partition");
+
+    // The window closes by the log; its report holds the one record.
+    let first = stack
+        .wait_for("the windowed stream's first report", LONG, |observed| {
+            observed.sequence_numbers(windowed) == [0]
+        })
+        .await;
+    let window_end = first
+        .reports
+        .values()
+        .find(|report| report.stream() == windowed.as_str())
+        .map(|report| {
+            quire_messages::window::parse_time(report.manifest["window_end"].as_str().unwrap())
+                .unwrap()
+        })
+        .expect("the report");
+    // A crash: the next start reads again from the plain stream's record.
+    worker.kill();
+    let (mut worker, _) = stack.worker("w1").spawn_monitored();
+    // Past the end of the window after the dead letter's, and its grace: a
+    // message appended now closes it, and anything opened in it.
+    let closed = window_end + 3_000 + 1_000 + 500;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    tokio::time::sleep(Duration::from_millis(closed.saturating_sub(now).max(0) as u64)).await;
+    let cut = api.cut(&plain).await;
+    api.wait_completed(&cut, LONG).await;
+
+    let observed = stack.observe().await;
+    let poison_offset = poison.offset;
+    let windowed_events: Vec<_> = observed
+        .events
+        .iter()
+        .filter(|event| event["stream"].as_str() == Some(windowed.as_str()))
+        .collect();
+    for event in &windowed_events {
+        assert!(
+            event["first_offset"].as_i64() != Some(poison_offset)
+                && event["last_offset"].as_i64() != Some(poison_offset),
+            "a report begins or ends at the dead letter (offset {poison_offset}): {event}"
+        );
+    }
+    assert_eq!(
+        windowed_events.len(),
+        1,
+        "one report for the windowed stream (empty windows skipped): {windowed_events:?}"
+    );
+    assert_eq!(
+        dead_letters_by_key(&stack)
+            .get(&format!("{}:{}", poison.partition, poison.offset))
+            .map(Vec::len),
+        Some(1),
+        "the dead letter published once"
+    );
     assert!(worker.exited().is_none(), "the worker stopped");
 }

@@ -126,8 +126,10 @@ pub enum Fit {
     /// the record opens the next one.
     CutBefore { last_offset: i64 },
     /// A dead letter: it cannot be rendered, or would pass the limit even
-    /// alone in a document (`abort`: the document opened for it is
-    /// abandoned).
+    /// alone in a document. `abort`: the document holds no record (it was
+    /// opened for this one) and is abandoned. A dead letter never opens a
+    /// document: a replay, which may read it when its stream has nothing
+    /// open, then decides as the first read did.
     DeadLetter { reason: String, abort: bool },
 }
 
@@ -141,7 +143,7 @@ pub fn fit(document: &DocumentStats, rendered: Result<usize, String>, limits: &C
         Err(error) => {
             return Fit::DeadLetter {
                 reason: format!("record cannot be rendered: {error}"),
-                abort: false,
+                abort: document.last_record_offset.is_none(),
             };
         }
     };
@@ -345,6 +347,15 @@ mod tests {
             Fit::DeadLetter {
                 reason: "record cannot be rendered: not an object".into(),
                 abort: false
+            }
+        );
+        // Opened for the record that cannot be rendered: abandoned, so a
+        // dead letter never begins a document.
+        assert_eq!(
+            fit(&document(0, 100), Err("not an object".into()), &limits()),
+            Fit::DeadLetter {
+                reason: "record cannot be rendered: not an object".into(),
+                abort: true
             }
         );
     }

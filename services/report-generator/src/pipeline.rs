@@ -624,8 +624,8 @@ impl<S: DocumentStore> PartitionPipeline<S> {
             return Ok(());
         };
         while let Some(document) = self.open.pop_ended(now) {
-            // A document opened by a record that went to the dead letters
-            // holds none: it ends where it began.
+            // A document without records (none stays open: a dead letter
+            // aborts the document opened for it) would end where it began.
             let stats = document.stats();
             let last = stats.last_record_offset.unwrap_or(stats.first_offset);
             self.complete_inline(context, document, last, Trigger::Window, outbox)
