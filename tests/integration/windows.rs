@@ -455,3 +455,73 @@ async fn an_upload_left_on_a_templated_key_is_aborted_when_its_document_opens_ag
     assert_eq!(status, 422, "{body}");
     assert!(body.to_string().contains("Mars/Olympus"), "{body}");
 }
+
+/// A windowed stream's definition changes while its document is open; the
+/// worker commits the change and is killed. The replay reads from before
+/// the change (another stream's open document holds the committed offset)
+/// and opens the document again under the windowed definition: it is the
+/// window's second document, as the first read numbered it, not a second
+/// "first".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_from_before_a_definition_change_numbers_the_windows_documents_as_the_first_read_did()
+ {
+    let stack = TestStack::create("win-change").await;
+    let api = stack.start_api().await;
+    let windowed = stream_name("wchange");
+    let partition = quire_tests::partition_of(&windowed, 12);
+    let plain = (0..)
+        .map(|_| stream_name("wplain"))
+        .find(|name| quire_tests::partition_of(name, 12) == partition)
+        .expect("a stream on the partition");
+    api.put_definition(
+        &windowed,
+        json!({"window": {"every": "1h", "time_zone": "UTC", "grace": "1s"}}),
+    )
+    .await;
+    let (mut worker, base) = stack.worker("w1").spawn_monitored();
+    api.send_ok(&plain, &records(&plain, 0, 1)).await;
+    api.send_ok(&windowed, &records(&windowed, 0, 1)).await;
+    let first = api.cut(&windowed).await;
+    api.wait_completed(&first, LONG).await;
+    // The window's second document is open when the definition changes.
+    api.send_ok(&windowed, &records(&windowed, 1, 1)).await;
+    api.put_definition(&windowed, json!({"root": "unwindowed"}))
+        .await;
+    api.send_ok(&plain, &records(&plain, 1, 1)).await;
+    // Four records committed: the change, before the last, is too.
+    crate::dead_letters::wait_for_committed_records(&mut worker, &base, 4.0).await;
+    worker.kill();
+    let (mut worker, _) = stack.worker("w1").spawn_monitored();
+    let second = api.cut(&windowed).await;
+    api.wait_completed(&second, LONG).await;
+    let cut = api.cut(&plain).await;
+    api.wait_completed(&cut, LONG).await;
+
+    let observed = stack.observe().await;
+    let mut sent = BTreeMap::new();
+    sent.insert(windowed.clone(), vec![0, 1]);
+    sent.insert(plain.clone(), vec![0, 1]);
+    observed.assert_exactly_once(&sent);
+    let mut sequences: BTreeMap<i64, Vec<u64>> = BTreeMap::new();
+    for (id, report) in reports_of(&observed, &windowed) {
+        let (start, _) = window_of(report);
+        let sequence = report.manifest["window_sequence"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{id}: no window_sequence"));
+        sequences.entry(start).or_default().push(sequence);
+    }
+    assert_eq!(
+        sequences.values().map(Vec::len).sum::<usize>(),
+        2,
+        "two windowed reports: {sequences:?}"
+    );
+    for (start, mut numbers) in sequences {
+        numbers.sort_unstable();
+        let expected: Vec<u64> = (1..=numbers.len() as u64).collect();
+        assert_eq!(
+            numbers, expected,
+            "window {start}: its documents numbered twice or with a gap"
+        );
+    }
+    assert!(worker.exited().is_none(), "the worker stopped");
+}

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use quire_messages::window::{Schedule, Window};
 use quire_messages::{
     CURRENT_VERSION, Definition, PartitionMoved, StartedWindow, StreamName, Watermark,
-    WindowProgress,
+    WindowAfterChange, WindowProgress,
 };
 
 /// One stream's state on its partition.
@@ -21,11 +21,26 @@ pub struct StreamState {
     /// partition's committed offset).
     persisted_definition: Option<Definition>,
     /// Definition changes read but not yet behind the committed offset.
-    unpersisted_changes: Vec<(i64, Definition)>,
+    unpersisted_changes: Vec<UnpersistedChange>,
+    /// Loaded from the watermark: the window progress an earlier worker had
+    /// after each definition change past its committed offset, taken when
+    /// this one reads the change again.
+    progress_after_changes: Vec<WindowAfterChange>,
     /// The watermark moved since it was last written.
     watermark_moved: bool,
     /// A windowed stream's progress through its windows.
     pub window: Option<StreamWindow>,
+}
+
+/// A definition change read but not yet behind the committed offset.
+#[derive(Debug, Clone)]
+struct UnpersistedChange {
+    offset: i64,
+    definition: Definition,
+    /// The stream's window progress just before the change (which may
+    /// reset it): what a watermark written at a commit before the change
+    /// persists, since a replay from there reads the change again.
+    window_before: Option<WindowProgress>,
 }
 
 /// Where a windowed stream is in its schedule.
@@ -240,6 +255,7 @@ impl PartitionState {
                         definition,
                         persisted_definition: watermark.definition,
                         unpersisted_changes: Vec::new(),
+                        progress_after_changes: watermark.window_after_changes,
                         watermark_moved: false,
                         window: watermark.window.and_then(StreamWindow::restored),
                     },
@@ -380,14 +396,31 @@ impl PartitionState {
             (None, _) => true,
             (Some(_), None) => false,
         };
-        if !same_schedule {
+        let window_before = state.window.as_ref().map(|window| window.progress.clone());
+        let read_before = state
+            .progress_after_changes
+            .iter()
+            .position(|after| after.offset == offset);
+        if let Some(position) = read_before {
+            // Read again by a replay: the progress the first read left,
+            // with the documents completed since (whose messages are
+            // skipped now).
+            let after = state.progress_after_changes.remove(position);
+            state.progress_after_changes.retain(|later| later.offset > offset);
+            state.window = after.window.and_then(StreamWindow::restored);
+            state.watermark_moved = true;
+        } else if !same_schedule {
             // Another schedule starts afresh at its first message; windows
             // of the old one not reported yet are not reported.
             state.window = None;
             state.watermark_moved = true;
         }
         state.definition = definition.clone();
-        state.unpersisted_changes.push((offset, definition));
+        state.unpersisted_changes.push(UnpersistedChange {
+            offset,
+            definition,
+            window_before,
+        });
     }
 
     /// A report of `stream` ending at `marker_offset` was completed. The
@@ -441,16 +474,44 @@ impl PartitionState {
         let mut records = Vec::new();
         for (stream, state) in &mut self.streams {
             let mut in_force_at_commit = state.persisted_definition.clone();
-            state.unpersisted_changes.retain(|(offset, definition)| {
-                if *offset < committed_offset {
-                    in_force_at_commit = Some(definition.clone());
+            let unpersisted = state.unpersisted_changes.len();
+            state.unpersisted_changes.retain(|change| {
+                if change.offset < committed_offset {
+                    in_force_at_commit = Some(change.definition.clone());
                     false
                 } else {
                     true
                 }
             });
+            // The progress at the committed offset is the one before the
+            // first change past it; a replay from there reads each change
+            // again and takes the progress after it.
+            let latest = state.window.as_ref().map(|window| window.progress.clone());
+            let window = match state.unpersisted_changes.first() {
+                Some(change) => change.window_before.clone(),
+                None => latest.clone(),
+            };
+            // Changes past what this worker read keep what the worker that
+            // read them left.
+            let window_after_changes = state
+                .unpersisted_changes
+                .iter()
+                .enumerate()
+                .map(|(index, change)| WindowAfterChange {
+                    offset: change.offset,
+                    window: match state.unpersisted_changes.get(index + 1) {
+                        Some(next) => next.window_before.clone(),
+                        None => latest.clone(),
+                    },
+                })
+                .chain(state.progress_after_changes.iter().cloned())
+                .collect();
             let definition_changed = in_force_at_commit != state.persisted_definition;
-            if !(state.watermark_moved || definition_changed) {
+            // A change now behind the commit: the watermark last written may
+            // hold the progress from before it (and after it, for a replay
+            // that no longer reads it), even when the definition is the same.
+            let change_passed = state.unpersisted_changes.len() < unpersisted;
+            if !(state.watermark_moved || definition_changed || change_passed) {
                 continue;
             }
             state.watermark_moved = false;
@@ -462,7 +523,8 @@ impl PartitionState {
                     partition,
                     offset: state.watermark,
                     definition: in_force_at_commit,
-                    window: state.window.as_ref().map(|window| window.progress.clone()),
+                    window,
+                    window_after_changes,
                     log: Some(self.log.to_string()),
                     dead_letters_through: None,
                 },
@@ -571,6 +633,49 @@ mod tests {
             restored.streams[&orders].window.as_ref().unwrap().progress,
             progress.progress
         );
+    }
+
+    #[test]
+    fn a_commit_before_a_change_of_schedule_persists_the_progress_the_change_reset() {
+        let mut state = PartitionState::from_watermarks(0, HashMap::new(), Arc::from("log"));
+        let orders = stream("orders");
+        state
+            .window_progress(&orders, &windowed(false), 5_000)
+            .unwrap();
+        state.window_document_completed(&orders, window(0));
+        let before = state.stream(&orders).window.clone().unwrap().progress;
+        state.change_definition(&orders, 20, Definition::default());
+        assert!(state.stream(&orders).window.is_none(), "reset when read");
+        // Committed at 15 (an open document holds it back): a replay from
+        // 15 reads the change again, so the progress before it is kept.
+        let written = state.watermarks_to_write(15);
+        assert_eq!(written[0].1.window.as_ref(), Some(&before));
+        assert_eq!(written[0].1.definition, None, "the change is not in force at 15");
+        assert_eq!(
+            written[0].1.window_after_changes,
+            [WindowAfterChange {
+                offset: 20,
+                window: None
+            }]
+        );
+        // The replay reads the change again and takes what followed it.
+        let mut replay = PartitionState::from_watermarks(
+            0,
+            HashMap::from([(orders.clone(), written[0].1.clone())]),
+            Arc::from("log"),
+        );
+        assert_eq!(
+            replay.stream(&orders).window.as_ref().map(|window| &window.progress),
+            Some(&before),
+            "messages before the change see the progress before it"
+        );
+        replay.change_definition(&orders, 20, Definition::default());
+        assert!(replay.stream(&orders).window.is_none());
+        // Once the commit passes the change, the reset is persisted.
+        let written = state.watermarks_to_write(21);
+        assert_eq!(written[0].1.window, None);
+        assert_eq!(written[0].1.definition, Some(Definition::default()));
+        assert!(written[0].1.window_after_changes.is_empty());
     }
 
     #[test]

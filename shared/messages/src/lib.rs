@@ -42,7 +42,7 @@ pub use log::{Handover, LogLayout, LogRegistry, LogTag, PartitionMove, Partition
 pub use names::{ReportId, StreamName, StreamNameError};
 pub use report::{
     DeadLetter, Manifest, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
-    WindowProgress,
+    WindowAfterChange, WindowProgress,
 };
 
 /// The version this release writes.

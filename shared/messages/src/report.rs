@@ -108,9 +108,18 @@ pub struct Watermark {
     /// replay from there does not see the definition messages before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub definition: Option<Definition>,
-    /// A windowed stream's progress through its windows.
+    /// A windowed stream's progress through its windows, as it stands at
+    /// the partition's committed offset (before the definition changes past
+    /// it: see `window_after_changes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<WindowProgress>,
+    /// The definition changes past the committed offset that a replay reads
+    /// again, each with the stream's window progress after it as the worker
+    /// that read it left it (documents completed under the new definition
+    /// included, whose messages the replay skips): the replay takes that
+    /// progress when it reads the change again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub window_after_changes: Vec<WindowAfterChange>,
     /// The Kafka topic id of the records log this watermark is of: a
     /// watermark of another log (the topic was deleted and created again)
     /// does not apply. Absent in watermarks written before it existed,
@@ -123,6 +132,15 @@ pub struct Watermark {
     /// replay publishes no dead letter at or below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_letters_through: Option<i64>,
+}
+
+/// A stream's window progress after the definition change at `offset`
+/// (`None`: not windowed, or not started under the new definition).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowAfterChange {
+    pub offset: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<WindowProgress>,
 }
 
 /// How far a windowed stream is through its windows: every window before

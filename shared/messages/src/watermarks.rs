@@ -97,6 +97,7 @@ pub fn dead_letter_mark(partition: i32, through: i64, log: &str) -> LogMessage {
         offset: None,
         definition: None,
         window: None,
+        window_after_changes: Vec::new(),
         log: Some(log.to_owned()),
         dead_letters_through: Some(through),
     };
@@ -199,6 +200,7 @@ mod tests {
             offset: Some(12),
             definition: None,
             window: None,
+            window_after_changes: Vec::new(),
             log: Some("log".into()),
             dead_letters_through: None,
         };

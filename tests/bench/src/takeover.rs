@@ -118,6 +118,7 @@ async fn write_watermarks(
                     offset: Some(index as i64),
                     definition: None,
                     window: None,
+                    window_after_changes: Vec::new(),
                     // Written as before logs were named: the first log's.
                     log: None,
                     dead_letters_through: None,
