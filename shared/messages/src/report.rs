@@ -28,12 +28,13 @@ pub enum Trigger {
     Move,
 }
 
+/// What a report event says. quire announces completed reports only: a
+/// report that cannot be written yet is retried (its records are never
+/// skipped), and a record that can never be reported is a dead letter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReportEventKind {
     #[serde(rename = "report.completed")]
     Completed,
-    #[serde(rename = "report.failed")]
-    Failed,
 }
 
 /// Published on `quire.report-events`, keyed by stream, in the same
@@ -64,8 +65,6 @@ pub struct ReportEvent {
     /// rollovers split the window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_sequence: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
 }
 
 impl ReportEvent {
@@ -88,7 +87,6 @@ impl ReportEvent {
             window_start: manifest.window_start.clone(),
             window_end: manifest.window_end.clone(),
             window_sequence: manifest.window_sequence,
-            reason: None,
         }
     }
 }
