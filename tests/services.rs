@@ -574,21 +574,21 @@ mod tests {
         let mut settings = quire_config::defaults();
         settings.log.format = LogFormat::Json;
         settings.kafka.bootstrap_servers = "127.0.0.1:1,127.0.0.1:2".into();
-        settings.kafka.transaction_timeout_ms = 12_345;
+        settings.kafka.transaction_timeout = Duration::from_millis(12_345);
         settings
             .kafka
             .properties
             .insert("ssl_ca_location".into(), "/etc/ca.pem".into());
         settings.kafka.topics.records = "t.records".into();
         settings.s3.bucket = "a-bucket".into();
-        settings.s3.report_retention_days = 3;
+        settings.s3.report_retention_days = std::num::NonZeroU32::new(3);
         settings.api.tokens = ["one", "two"]
             .map(|name| crate::client::token_line(name, name, "read+write", "*"))
             .to_vec();
-        settings.api.max_in_flight_bytes = 4096;
+        settings.api.max_in_flight_bytes = std::num::NonZero::new(4096).unwrap();
         settings.worker.replica_id = "w9".into();
-        settings.worker.rollover_records = 3;
-        settings.worker.spill_dir = "/tmp/spill dir".into();
+        settings.worker.rollover_records = std::num::NonZero::new(3).unwrap();
+        settings.worker.spill_dir = Some("/tmp/spill dir".into());
         let read_back =
             quire_config::load_with(None, environment_of(&settings)).expect("the variables load");
         assert_eq!(

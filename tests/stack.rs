@@ -92,8 +92,8 @@ impl TestStack {
         let worker = &mut settings.worker;
         worker.group_id = self.group.clone();
         worker.transactional_id_prefix = unique("test-worker");
-        worker.max_wait_ms = 200;
-        worker.session_timeout_ms = 6000;
+        worker.max_wait = std::time::Duration::from_millis(200);
+        worker.session_timeout = std::time::Duration::from_millis(6000);
         worker.metrics_listen = "127.0.0.1:0".into();
         settings
     }

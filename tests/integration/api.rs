@@ -181,8 +181,8 @@ async fn a_request_that_does_not_fit_in_flight_is_429_and_never_queued() {
     let api = stack
         .api()
         .with(|settings| {
-            settings.api.max_in_flight_bytes = 4096;
-            settings.api.max_body_bytes = 4096;
+            settings.api.max_in_flight_bytes = std::num::NonZero::new(4096).unwrap();
+            settings.api.max_body_bytes = std::num::NonZero::new(4096).unwrap();
         })
         .start_api()
         .await;
@@ -261,7 +261,7 @@ async fn a_body_that_stops_arriving_is_408_and_gives_its_bytes_back() {
     let stack = TestStack::create("api-slow-body").await;
     let api = stack
         .api()
-        .with(|settings| settings.api.body_read_timeout_ms = 1000)
+        .with(|settings| settings.api.body_read_timeout = std::time::Duration::from_millis(1000))
         .start_api()
         .await;
     let stream = unique("slow-body");
@@ -615,7 +615,7 @@ fn ndjson(stream: &str, count: u64) -> String {
 async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
     let stack = TestStack::create("api-limits").await;
     let mut launch = stack.api();
-    launch.settings.api.max_records_per_request = 120;
+    launch.settings.api.max_records_per_request = std::num::NonZero::new(120).unwrap();
     let api = launch.start_api().await;
 
     let response = api.http.get(api.url("/v1/limits")).send().await.unwrap();
@@ -624,7 +624,7 @@ async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
     assert_eq!(limits["max_records_per_request"], 120, "{limits}");
     assert_eq!(
         limits["max_body_bytes"],
-        stack.settings().api.max_body_bytes,
+        stack.settings().api.max_body_bytes.get(),
         "{limits}"
     );
 
@@ -1046,10 +1046,10 @@ async fn idle_bodies_slow_heads_and_silent_connections_hold_nothing() {
     let api = stack
         .api()
         .with(|settings| {
-            settings.api.max_body_bytes = 32 * 1024;
-            settings.api.max_in_flight_bytes = 64 * 1024;
-            settings.api.header_read_timeout_ms = 1000;
-            settings.api.idle_timeout_ms = 2500;
+            settings.api.max_body_bytes = std::num::NonZero::new(32 * 1024).unwrap();
+            settings.api.max_in_flight_bytes = std::num::NonZero::new(64 * 1024).unwrap();
+            settings.api.header_read_timeout = std::time::Duration::from_millis(1000);
+            settings.api.idle_timeout = std::time::Duration::from_millis(2500);
         })
         .start_api()
         .await;
@@ -1111,8 +1111,8 @@ async fn past_max_connections_a_new_one_waits_for_a_free_slot() {
     let api = stack
         .api()
         .with(|settings| {
-            settings.api.max_connections = 3;
-            settings.api.header_read_timeout_ms = 2000;
+            settings.api.max_connections = std::num::NonZero::new(3).unwrap();
+            settings.api.header_read_timeout = std::time::Duration::from_millis(2000);
         })
         .start_api()
         .await;
@@ -1151,7 +1151,7 @@ async fn cuts_and_definition_changes_past_their_rate_are_429_and_publish_nothing
     let stack = TestStack::create("api-rate").await;
     let api = stack
         .api()
-        .with(|settings| settings.api.control_requests_per_minute_per_stream = 2)
+        .with(|settings| settings.api.control_requests_per_minute_per_stream = std::num::NonZero::new(2).unwrap())
         .start_api()
         .await;
     let stream = unique("rated");
@@ -1461,7 +1461,7 @@ async fn a_key_is_answered_by_another_replica_and_after_a_restart() {
 async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expires() {
     let stack = TestStack::create("presign").await;
     let mut launch = stack.api();
-    launch.settings.api.download_url_expiry_ms = 5000;
+    launch.settings.api.download_url_expiry = Some(std::time::Duration::from_millis(5000));
     let endpoint = launch.settings.s3.endpoint.clone();
     let api = launch.start_api().await;
     let _worker = stack.worker("presign-worker").spawn();
@@ -1573,7 +1573,7 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
 
     // An API with them off (another replica, so its producers are its own).
     let mut launch = stack.api();
-    launch.settings.api.download_url_expiry_ms = 0;
+    launch.settings.api.download_url_expiry = None;
     launch.settings.api.replica_id = "api-no-urls".into();
     let without = launch.start_api().await;
     let (code, body) = without.get(&format!("/v1/reports/{id}/url")).await;

@@ -62,7 +62,9 @@ async fn a_backlog_far_past_the_byte_rollover_is_cut_inline_and_replays_cut_the_
         .await;
     }
     let total = ARRAYS * PER_ARRAY;
-    let rollover = |settings: &mut Settings| settings.worker.rollover_bytes = ROLLOVER_BYTES;
+    let rollover = |settings: &mut Settings| {
+        settings.worker.rollover_bytes = std::num::NonZero::new(ROLLOVER_BYTES).unwrap()
+    };
 
     let mut worker = stack.worker("w1").with(rollover).drain().spawn();
     assert_eq!(

@@ -49,7 +49,8 @@ async fn uploads_slower_than_max_poll_interval_keep_the_worker_in_its_group_and_
         .worker("w1")
         .with(|settings| {
             settings.s3.endpoint = proxy.endpoint.clone();
-            settings.worker.max_poll_interval_ms = MAX_POLL_INTERVAL.as_millis() as u64;
+            settings.worker.max_poll_interval =
+                Duration::from_millis(MAX_POLL_INTERVAL.as_millis() as u64);
         })
         .log_filter("warn,quire_queue=info,report_generator=info")
         .spawn_monitored();

@@ -96,7 +96,7 @@ async fn every_metric_the_dashboard_queries_is_exported_by_a_service() {
     let api = stack.start_api().await;
     let (mut worker, worker_base) = stack
         .worker("dashboard-1")
-        .with(|settings| settings.worker.statistics_interval_ms = 300)
+        .with(|settings| settings.worker.statistics_interval = Duration::from_millis(300))
         .spawn_monitored();
     let stream = quire_tests::unique("dashboard");
     api.send_ok(&stream, &records(&stream, 0, 20)).await;

@@ -18,7 +18,11 @@ const LONG: Duration = Duration::from_secs(120);
 /// records since it started (`quire_worker_records_total` counts committed
 /// arrays only): it has read the open document's messages again, and the
 /// transactions that carried their dead letters, if any, are committed.
-pub(crate) async fn wait_for_committed_records(worker: &mut WorkerProcess, base: &str, records: f64) {
+pub(crate) async fn wait_for_committed_records(
+    worker: &mut WorkerProcess,
+    base: &str,
+    records: f64,
+) {
     let deadline = Instant::now() + LONG;
     loop {
         if let Some(status) = worker.exited() {
@@ -197,7 +201,8 @@ async fn a_dead_letter_opens_no_document_when_a_replay_reads_it_again() {
     )
     .await;
     let (mut worker, _) = stack.worker("w1").spawn_monitored();
-    api.send_ok(&plain, &quire_tests::records(&plain, 0, 1)).await;
+    api.send_ok(&plain, &quire_tests::records(&plain, 0, 1))
+        .await;
 
     let topic = stack.topics.records.clone();
     let record_headers = [(HEADER_KIND, "record"), (HEADER_VERSION, "1")];
@@ -212,7 +217,10 @@ async fn a_dead_letter_opens_no_document_when_a_replay_reads_it_again() {
         .await
         .expect("publish");
     let poison = ids[1];
-    assert_eq!(poison.partition, partition as i32, "on the plain stream's partition");
+    assert_eq!(
+        poison.partition, partition as i32,
+        "on the plain stream's partition"
+    );
 
     // The window closes by the log; its report holds the one record.
     let first = stack
@@ -239,7 +247,10 @@ async fn a_dead_letter_opens_no_document_when_a_replay_reads_it_again() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64;
-    tokio::time::sleep(Duration::from_millis(closed.saturating_sub(now).max(0) as u64)).await;
+    tokio::time::sleep(Duration::from_millis(
+        closed.saturating_sub(now).max(0) as u64
+    ))
+    .await;
     let cut = api.cut(&plain).await;
     api.wait_completed(&cut, LONG).await;
 

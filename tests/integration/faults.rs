@@ -397,7 +397,7 @@ async fn s3_errors_delays_resets_and_an_outage_damage_no_report_and_lose_nothing
         .with(|settings| {
             settings.s3.endpoint = proxy.endpoint.clone();
             // About 9.6 MB of padded records: two parts of 8 MiB.
-            settings.worker.rollover_records = 6000;
+            settings.worker.rollover_records = std::num::NonZero::new(6000).unwrap();
         })
         .spawn();
     let stop = Arc::new(AtomicBool::new(false));

@@ -255,7 +255,7 @@ async fn two_processes_with_one_replica_id_stop_fencing_each_other_and_say_why()
     let twin = || {
         stack
             .worker("twin")
-            .with(|settings| settings.worker.restart_backoff_initial_ms = 200)
+            .with(|settings| settings.worker.restart_backoff_initial = Duration::from_millis(200))
     };
     let mut first = LoggedWorker::spawn(twin());
     tokio::time::sleep(Duration::from_secs(3)).await;

@@ -129,7 +129,7 @@ async fn a_manifest_left_by_a_replay_that_cut_elsewhere_is_never_served() {
 
     let mut doomed = stack
         .worker("w1")
-        .with(|settings| settings.worker.rollover_records = 10)
+        .with(|settings| settings.worker.rollover_records = std::num::NonZero::new(10).unwrap())
         .failpoint("crash-before-commit")
         .spawn();
     assert_ne!(
@@ -148,7 +148,7 @@ async fn a_manifest_left_by_a_replay_that_cut_elsewhere_is_never_served() {
 
     let _successor = stack
         .worker("w1")
-        .with(|settings| settings.worker.rollover_records = 4)
+        .with(|settings| settings.worker.rollover_records = std::num::NonZero::new(4).unwrap())
         .spawn();
     let replayed = wait_completed(&api, &first_four).await;
     wait_completed(&api, &next_four).await;
@@ -217,7 +217,7 @@ async fn an_idempotency_ttl_longer_than_its_topics_retention_stops_the_api_at_st
             .expect("a number");
     let mut settings = stack.settings();
     settings.api.listen = "127.0.0.1:0".into();
-    settings.api.idempotency_ttl_ms = retention_ms + 1;
+    settings.api.idempotency_ttl = Duration::from_millis(retention_ms + 1);
     let refused = match producer_api::Application::build(settings.clone()).await {
         Ok(_) => {
             panic!("the API started with api.idempotency_ttl_ms past the topic's retention.ms")
@@ -234,7 +234,7 @@ async fn an_idempotency_ttl_longer_than_its_topics_retention_stops_the_api_at_st
     }
 
     // As long as the topic keeps answers, it starts.
-    settings.api.idempotency_ttl_ms = retention_ms;
+    settings.api.idempotency_ttl = Duration::from_millis(retention_ms);
     let started = producer_api::Application::build(settings).await;
     assert!(
         started.is_ok(),

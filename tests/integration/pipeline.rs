@@ -178,8 +178,8 @@ async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
     let _worker = stack
         .worker("w1")
         .with(|settings| {
-            settings.worker.rollover_records = 10;
-            settings.worker.rollover_age_ms = 3000;
+            settings.worker.rollover_records = std::num::NonZero::new(10).unwrap();
+            settings.worker.rollover_age = Duration::from_millis(3000);
         })
         .spawn();
     let stream = stream_name("roll");
@@ -372,7 +372,9 @@ async fn a_worker_killed_mid_stream_is_taken_over_exactly_once() {
     let stack = TestStack::create("e2e-crash").await;
     let api = stack.start_api().await;
     let streams: Vec<String> = (0..3).map(|_| stream_name("crash")).collect();
-    let rollover = |settings: &mut Settings| settings.worker.rollover_records = 40;
+    let rollover = |settings: &mut Settings| {
+        settings.worker.rollover_records = std::num::NonZero::new(40).unwrap()
+    };
     let mut sent = BTreeMap::new();
 
     let mut worker = stack.worker("w1").with(rollover).spawn();
@@ -444,7 +446,9 @@ async fn a_worker_joining_and_one_leaving_mid_run_keep_exactly_once() {
     let stack = TestStack::create("e2e-scale").await;
     let api = stack.start_api().await;
     let streams: Vec<String> = (0..6).map(|_| stream_name("scale")).collect();
-    let rollover = |settings: &mut Settings| settings.worker.rollover_records = 30;
+    let rollover = |settings: &mut Settings| {
+        settings.worker.rollover_records = std::num::NonZero::new(30).unwrap()
+    };
     let mut sent = BTreeMap::new();
 
     let mut first = stack.worker("w1").with(rollover).spawn();
@@ -468,7 +472,7 @@ async fn sigterm_exits_zero_within_the_grace_period_and_drain_reports_everything
 
     let mut serving = stack
         .worker("w1")
-        .with(|settings| settings.worker.shutdown_grace_ms = 10_000)
+        .with(|settings| settings.worker.shutdown_grace = Duration::from_millis(10_000))
         .spawn();
     send_rounds(&api, &streams, &mut sent, 3, 10).await;
     api.cut(&streams[0]).await;

@@ -150,7 +150,9 @@ async fn soak_memory_stays_flat_lag_stays_bounded_and_every_record_is_reported_o
     let api = Arc::new(stack.start_api().await);
     let mut worker = stack
         .worker("w1")
-        .with(|settings| settings.worker.rollover_records = ROLLOVER_RECORDS)
+        .with(|settings| {
+            settings.worker.rollover_records = std::num::NonZero::new(ROLLOVER_RECORDS).unwrap()
+        })
         .spawn();
     let worker_pid = worker.id();
     let streams: Vec<String> = (0..STREAMS)

@@ -153,8 +153,9 @@ async fn a_full_spill_disk_slows_the_worker_down_and_never_stops_it() {
         .worker("spill-0")
         .with(|settings| {
             settings.worker.memory_budget_bytes = BUDGET;
-            settings.worker.parts_in_flight_total = PARTS_IN_FLIGHT_TOTAL;
-            settings.worker.spill_dir = spill_dir.clone();
+            settings.worker.parts_in_flight_total =
+                std::num::NonZero::new(PARTS_IN_FLIGHT_TOTAL).unwrap();
+            settings.worker.spill_dir = Some(spill_dir.clone());
         })
         .drain()
         .spawn_monitored();
@@ -240,7 +241,9 @@ async fn gzip_documents_past_their_bound_are_cut_early_and_nothing_is_lost() {
     }
     let _worker = stack
         .worker("gzip-bound-0")
-        .with(|settings| settings.worker.max_gzip_documents = BOUND)
+        .with(|settings| {
+            settings.worker.max_gzip_documents = std::num::NonZero::new(BOUND).unwrap()
+        })
         .spawn();
     let memory_cuts = |observed: &quire_tests::Observed| {
         observed

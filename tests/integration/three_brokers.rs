@@ -308,9 +308,8 @@ async fn three_brokers_losing_a_coordinator_and_a_records_leader_lose_double_and
     // flight; nothing of it waits for a request timeout (30 s) on a dead
     // broker.
     let settings = stack.worker_settings("w1");
-    let bound = BROKER_FAILOVER
-        + Duration::from_millis(settings.worker.session_timeout_ms)
-        + Duration::from_millis(settings.kafka.transaction_timeout_ms);
+    let bound =
+        BROKER_FAILOVER + settings.worker.session_timeout + settings.kafka.transaction_timeout;
     for (kill, delay) in [
         ("coordinator", coordinator_delay),
         ("records leader", leader_delay),

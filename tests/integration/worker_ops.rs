@@ -72,7 +72,7 @@ async fn the_worker_reports_records_reports_and_lag_and_answers_health_checks() 
     // In process: Application::build binds the monitoring port first and
     // says which it is, no log to scrape.
     let mut settings = stack.worker_settings("ops-1");
-    settings.worker.statistics_interval_ms = 300;
+    settings.worker.statistics_interval = Duration::from_millis(300);
     let worker = stack.start_worker_in_process(settings, Mode::Serve).await;
     let base = worker.base_url();
     let http = reqwest::Client::new();
@@ -201,7 +201,7 @@ async fn a_fenced_session_restarts_by_itself_and_loses_or_doubles_nothing() {
         .worker("ops-r")
         .with(|settings| {
             settings.worker.transactional_id_prefix = prefix.clone();
-            settings.worker.restart_backoff_initial_ms = 200;
+            settings.worker.restart_backoff_initial = Duration::from_millis(200);
         })
         .spawn_monitored();
     let http = reqwest::Client::new();
@@ -268,9 +268,9 @@ async fn a_fenced_session_restarts_by_itself_and_loses_or_doubles_nothing() {
 async fn a_partition_held_back_by_a_foreign_open_transaction_is_named_until_it_ends() {
     let stack = TestStack::create("ops-stuck").await;
     let mut settings = stack.worker_settings("ops-stuck");
-    settings.worker.statistics_interval_ms = 300;
+    settings.worker.statistics_interval = Duration::from_millis(300);
     // Stuck after 3 s unmoved, instead of the default 10.
-    settings.kafka.transaction_timeout_ms = 3000;
+    settings.kafka.transaction_timeout = Duration::from_millis(3000);
     let worker = stack.start_worker_in_process(settings, Mode::Serve).await;
     let base = worker.base_url();
     let http = reqwest::Client::new();

@@ -97,8 +97,7 @@ impl LogReader {
             permits: Arc::new(Semaphore::new(CONCURRENT_LOOKUPS)),
             // Past the transaction timeout, any transaction open before the
             // look-up started has ended.
-            stable_wait: Duration::from_millis(settings.transaction_timeout_ms)
-                + Duration::from_secs(2),
+            stable_wait: settings.transaction_timeout + Duration::from_secs(2),
         })
     }
 

@@ -83,7 +83,7 @@ pub struct RecordsTopic {
 /// `{transactional_id_prefix}-{replica_id}-{n}`: stable per replica, so a
 /// restarted replica fences its predecessor's producers.
 pub fn transactional_ids(api: &ApiSettings) -> Vec<String> {
-    (0..api.producers.max(1))
+    (0..api.producers.get())
         .map(|index| format!("{}-{}-{index}", api.transactional_id_prefix, api.replica_id))
         .collect()
 }
@@ -131,20 +131,20 @@ impl Publisher {
             // A request's array always goes whole; let a group hold several.
             max_messages: GroupCommitLimits::default()
                 .max_messages
-                .max(api.max_records_per_request),
+                .max(api.max_records_per_request.get()),
             max_bytes: GroupCommitLimits::default()
                 .max_bytes
-                .max(api.max_body_bytes),
+                .max(api.max_body_bytes.get()),
             // No request waits through more than one failing transaction:
             // past the publish timeout it is answered 503 unsent.
-            max_wait: Some(Duration::from_millis(api.publish_timeout_ms.max(1))),
+            max_wait: Some(api.publish_timeout.max(Duration::from_millis(1))),
             ..GroupCommitLimits::default()
         };
         let observed = Arc::clone(&metrics);
         let released = Arc::clone(&metrics);
         let factory = Arc::new(Factory {
             kafka: kafka.clone(),
-            send_timeout: Duration::from_millis(api.publish_timeout_ms.max(1)),
+            send_timeout: api.publish_timeout.max(Duration::from_millis(1)),
             release: Release {
                 messages: release_messages,
                 patience: Release::patience_for(kafka),
@@ -175,7 +175,7 @@ impl Publisher {
             slots: Arc::new(slots),
             next: AtomicUsize::new(0),
             factory,
-            settle_within: Duration::from_millis(api.publish_timeout_ms.max(1)),
+            settle_within: api.publish_timeout.max(Duration::from_millis(1)),
             partitions_known: AtomicI32::new(0),
             stop,
         })
@@ -519,7 +519,7 @@ mod tests {
         let mut api = quire_config::defaults().api;
         api.transactional_id_prefix = "quire-api".into();
         api.replica_id = "api-2".into();
-        api.producers = 3;
+        api.producers = std::num::NonZero::new(3).unwrap();
         assert_eq!(
             transactional_ids(&api),
             [
@@ -528,7 +528,7 @@ mod tests {
                 "quire-api-api-2-2"
             ]
         );
-        api.producers = 0;
+        api.producers = std::num::NonZero::new(1).unwrap();
         assert_eq!(transactional_ids(&api), ["quire-api-api-2-0"]);
     }
 }

@@ -30,11 +30,6 @@ impl Application {
             .worker
             .check_replica_id()
             .map_err(WorkerError::Config)?;
-        if settings.worker.max_gzip_documents == 0 {
-            return Err(WorkerError::Config(
-                "worker.max_gzip_documents must be at least 1".into(),
-            ));
-        }
         let monitor = Monitor::new(&settings.worker);
         let metrics_address = monitor.serve(&settings.worker.metrics_listen).await?;
         Ok(Application {

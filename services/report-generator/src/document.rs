@@ -559,7 +559,7 @@ pub fn memory_pool(
 ) -> Result<Arc<MemoryPool>, WorkerError> {
     let memory_policy = quire_s3::MemoryPolicy {
         budget_bytes: settings.memory_budget_bytes,
-        parts_in_flight: settings.parts_in_flight_total,
+        parts_in_flight: settings.parts_in_flight_total.get(),
         part_size: policy.part_size(),
         spill_dir: Some(settings.replica_spill_dir()),
         spill_max_bytes: settings.spill_max_bytes,

@@ -179,7 +179,7 @@ async fn main() -> anyhow::Result<()> {
         settings.log.format,
         "info,librdkafka=warn,rdkafka=warn,aws=warn",
     );
-    let grace = Duration::from_millis(settings.worker.shutdown_grace_ms);
+    let grace = settings.worker.shutdown_grace;
     let mode = if cli.drain { Mode::Drain } else { Mode::Serve };
     let application = Application::build(settings, mode)
         .await

@@ -34,9 +34,7 @@ impl Monitor {
     pub fn new(settings: &WorkerSettings) -> Self {
         Monitor {
             metrics: Arc::new(WorkerMetrics::new(Arc::default())),
-            health: Arc::new(WorkerHealth::new(Duration::from_millis(
-                settings.wedged_after_ms,
-            ))),
+            health: Arc::new(WorkerHealth::new(settings.wedged_after)),
         }
     }
 

@@ -47,7 +47,6 @@ struct UnpersistedChange {
     window_before: Option<WindowProgress>,
 }
 
-
 /// What a partition's pipeline (`pipeline.rs`) knows of its streams and how
 /// far it is read; the pipeline holds the open documents and tells this the
 /// facts of them it needs (an open document's first offset, its window).
@@ -291,7 +290,9 @@ impl PartitionState {
             // with the documents completed since (whose messages are
             // skipped now).
             let after = state.progress_after_changes.remove(position);
-            state.progress_after_changes.retain(|later| later.offset > offset);
+            state
+                .progress_after_changes
+                .retain(|later| later.offset > offset);
             state.window = after.window.and_then(StreamWindow::restored);
             state.watermark_moved = true;
         } else if !same_schedule {
@@ -535,7 +536,10 @@ mod tests {
         // 15 reads the change again, so the progress before it is kept.
         let written = state.watermarks_to_write(15);
         assert_eq!(written[0].1.window.as_ref(), Some(&before));
-        assert_eq!(written[0].1.definition, None, "the change is not in force at 15");
+        assert_eq!(
+            written[0].1.definition, None,
+            "the change is not in force at 15"
+        );
         assert_eq!(
             written[0].1.window_after_changes,
             [WindowAfterChange {
@@ -550,7 +554,11 @@ mod tests {
             Arc::from("log"),
         );
         assert_eq!(
-            replay.stream(&orders).window.as_ref().map(|window| &window.progress),
+            replay
+                .stream(&orders)
+                .window
+                .as_ref()
+                .map(|window| &window.progress),
             Some(&before),
             "messages before the change see the progress before it"
         );

@@ -224,9 +224,11 @@ struct RestartBackoff {
 
 impl RestartBackoff {
     fn new(settings: &WorkerSettings) -> Self {
-        let maximum = Duration::from_millis(settings.restart_backoff_max_ms.max(1));
-        let initial =
-            Duration::from_millis(settings.restart_backoff_initial_ms.max(1)).min(maximum);
+        let maximum = settings.restart_backoff_max.max(Duration::from_millis(1));
+        let initial = settings
+            .restart_backoff_initial
+            .max(Duration::from_millis(1))
+            .min(maximum);
         let builder = ExponentialBuilder::default()
             .with_min_delay(initial)
             .with_max_delay(maximum)
@@ -254,8 +256,8 @@ mod tests {
 
     fn settings(initial_ms: u64, max_ms: u64) -> WorkerSettings {
         let mut settings = quire_config::load(None).expect("defaults load").worker;
-        settings.restart_backoff_initial_ms = initial_ms;
-        settings.restart_backoff_max_ms = max_ms;
+        settings.restart_backoff_initial = Duration::from_millis(initial_ms);
+        settings.restart_backoff_max = Duration::from_millis(max_ms);
         settings
     }
 

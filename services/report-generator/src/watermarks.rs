@@ -40,11 +40,10 @@ pub fn load(
     partitions: &[i32],
     log: &LogIdentity,
 ) -> Result<(HashMap<i32, Loaded>, u64), WorkerError> {
-    let timeout = Duration::from_millis(settings.request_timeout_ms);
+    let timeout = settings.request_timeout;
     // A dead owner's transaction is aborted by the broker after the
     // transaction timeout; wait a little longer than that.
-    let stable_limit =
-        Duration::from_millis(settings.transaction_timeout_ms * 2) + Duration::from_secs(5);
+    let stable_limit = settings.transaction_timeout * 2 + Duration::from_secs(5);
     let reader =
         PartitionReader::new(settings, "quire-watermark-reader", ReaderOptions::default())?;
     let mut loaded: HashMap<i32, Loaded> = HashMap::new();

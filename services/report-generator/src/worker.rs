@@ -107,14 +107,14 @@ impl Worker {
     /// [`shut_down`](Self::shut_down) either way.
     pub async fn run(&mut self, mode: Mode, stop: &CancellationToken) -> Result<(), WorkerError> {
         let settings = self.settings.clone();
-        let max_wait = Duration::from_millis(settings.max_wait_ms);
+        let max_wait = settings.max_wait;
         let mut draining = false;
         while !stop.is_cancelled() {
             self.monitor.health.turned();
             self.apply_topic_changes().await?;
             let array = self
                 .consumer
-                .next_array(settings.max_records, max_wait)
+                .next_array(settings.max_records.get(), max_wait)
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
             // S3 work slowed down can outlast max.poll.interval.ms: polled
@@ -142,7 +142,7 @@ impl Worker {
             self.decide_timed_rollovers(&mut outbox);
             self.publish_window_markers(&mut outbox);
             outbox.tag_new_by_target();
-            if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records {
+            if mode == Mode::Drain && array.caught_up && array.len() < settings.max_records.get() {
                 // The seed's exits (a short array or an empty wait) mean
                 // "caught up" only with every assigned partition at its end.
                 draining = true;
@@ -162,7 +162,7 @@ impl Worker {
             let transaction = match self.commit(&array, &mut outbox).await {
                 Ok(transaction) => transaction,
                 Err(WorkerError::Queue(QueueError::GroupRefused(error))) => {
-                    let session_timeout = Duration::from_millis(settings.session_timeout_ms);
+                    let session_timeout = settings.session_timeout;
                     self.refused = Some(Refused::carry(
                         outbox,
                         refused_since,

@@ -8,11 +8,17 @@
 mod telemetry;
 mod tokens;
 
+mod units;
+
 use std::collections::BTreeMap;
 use std::fmt;
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::path::Path;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use serde_with::{DurationMilliSeconds, NoneAsEmptyString, Same, serde_as};
+use units::{DurationMinutes, OffWhenZero};
 
 pub use telemetry::{LogFormat, init_telemetry};
 pub use tokens::{ApiToken, Scope, Secret, TokenLineError, is_secret_property};
@@ -31,66 +37,112 @@ pub struct Settings {
 }
 
 /// The producer API (see defaults.toml for what each key means).
+#[serde_as]
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiSettings {
     pub listen: String,
-    pub max_body_bytes: usize,
-    pub max_record_bytes: usize,
-    pub max_records_per_request: usize,
+    pub max_body_bytes: NonZeroUsize,
+    pub max_record_bytes: NonZeroUsize,
+    pub max_records_per_request: NonZeroUsize,
     /// Accepted bearer tokens, as digests with scopes (see [`ApiToken`]).
     #[serde(default)]
     pub tokens: Vec<ApiToken>,
     pub allow_unauthenticated: bool,
-    pub producers: usize,
+    pub producers: NonZeroUsize,
     pub transactional_id_prefix: String,
     pub replica_id: String,
-    pub idempotency_max_keys: usize,
+    pub idempotency_max_keys: NonZeroUsize,
     pub idempotency_max_bytes: usize,
-    pub idempotency_ttl_ms: u64,
-    pub idempotency_lookup_timeout_ms: u64,
-    pub max_in_flight_bytes: usize,
-    pub body_read_timeout_ms: u64,
-    pub publish_timeout_ms: u64,
-    pub kafka_check_interval_ms: u64,
-    pub header_read_timeout_ms: u64,
-    pub idle_timeout_ms: u64,
-    pub max_connections: usize,
-    pub control_requests_per_minute_per_stream: u32,
-    pub control_requests_per_minute_per_principal: u32,
-    pub download_url_expiry_ms: u64,
-    pub download_url_endpoint: String,
+    #[serde(rename = "idempotency_ttl_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub idempotency_ttl: Duration,
+    #[serde(rename = "idempotency_lookup_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub idempotency_lookup_timeout: Duration,
+    pub max_in_flight_bytes: NonZeroUsize,
+    #[serde(rename = "body_read_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub body_read_timeout: Duration,
+    #[serde(rename = "publish_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub publish_timeout: Duration,
+    #[serde(rename = "kafka_check_interval_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub kafka_check_interval: Duration,
+    #[serde(rename = "header_read_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub header_read_timeout: Duration,
+    #[serde(rename = "idle_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub idle_timeout: Duration,
+    pub max_connections: NonZeroUsize,
+    pub control_requests_per_minute_per_stream: NonZeroU32,
+    pub control_requests_per_minute_per_principal: NonZeroU32,
+    /// How long a download URL is valid; `None` (0 in the file): the API
+    /// signs none.
+    #[serde(rename = "download_url_expiry_ms")]
+    #[serde_as(as = "OffWhenZero<DurationMilliSeconds<u64>>")]
+    pub download_url_expiry: Option<Duration>,
+    /// The endpoint download URLs are signed for; `None` (empty in the
+    /// file): the S3 endpoint.
+    #[serde_as(as = "NoneAsEmptyString")]
+    pub download_url_endpoint: Option<String>,
 }
 
 /// The report generator (see defaults.toml for what each key means).
+#[serde_as]
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSettings {
     pub replica_id: String,
     pub group_id: String,
     pub transactional_id_prefix: String,
-    pub max_records: usize,
-    pub max_wait_ms: u64,
-    pub rollover_records: u64,
-    pub rollover_bytes: u64,
-    pub rollover_age_ms: u64,
+    pub max_records: NonZeroUsize,
+    #[serde(rename = "max_wait_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub max_wait: Duration,
+    pub rollover_records: NonZeroU64,
+    pub rollover_bytes: NonZeroU64,
+    #[serde(rename = "rollover_age_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub rollover_age: Duration,
     pub memory_budget_bytes: u64,
-    pub parts_in_flight: usize,
-    pub parts_in_flight_total: usize,
-    pub spill_dir: String,
+    pub parts_in_flight: NonZeroUsize,
+    pub parts_in_flight_total: NonZeroUsize,
+    /// Where documents past the memory budget spill; `None` (empty in the
+    /// file): the system temp dir's `quire-spill`.
+    #[serde_as(as = "NoneAsEmptyString")]
+    pub spill_dir: Option<String>,
     pub spill_max_bytes: u64,
-    pub max_gzip_documents: usize,
-    pub shutdown_grace_ms: u64,
+    pub max_gzip_documents: NonZeroUsize,
+    #[serde(rename = "shutdown_grace_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub shutdown_grace: Duration,
     pub metrics_listen: String,
-    pub statistics_interval_ms: u64,
-    pub session_timeout_ms: u64,
-    pub max_poll_interval_ms: u64,
-    pub wedged_after_ms: u64,
-    pub restart_backoff_initial_ms: u64,
-    pub restart_backoff_max_ms: u64,
+    #[serde(rename = "statistics_interval_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub statistics_interval: Duration,
+    #[serde(rename = "session_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub session_timeout: Duration,
+    #[serde(rename = "max_poll_interval_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub max_poll_interval: Duration,
+    #[serde(rename = "wedged_after_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub wedged_after: Duration,
+    #[serde(rename = "restart_backoff_initial_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub restart_backoff_initial: Duration,
+    #[serde(rename = "restart_backoff_max_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub restart_backoff_max: Duration,
     /// How often the worker asks Kafka what its topics are (ids, partition
     /// counts): a recreated topic or a grown one is noticed within this.
-    pub topic_check_interval_ms: u64,
+    #[serde(rename = "topic_check_interval_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub topic_check_interval: Duration,
 }
 
 /// The longest `worker.replica_id`.
@@ -137,10 +189,9 @@ impl WorkerSettings {
     /// sharing a machine never clean each other's files. The replica id is
     /// checked first ([`WorkerSettings::check_replica_id`]).
     pub fn replica_spill_dir(&self) -> std::path::PathBuf {
-        let base = if self.spill_dir.is_empty() {
-            std::env::temp_dir().join("quire-spill")
-        } else {
-            std::path::PathBuf::from(&self.spill_dir)
+        let base = match &self.spill_dir {
+            None => std::env::temp_dir().join("quire-spill"),
+            Some(dir) => std::path::PathBuf::from(dir),
         };
         base.join(&self.replica_id)
     }
@@ -154,12 +205,17 @@ pub struct LogSettings {
 
 /// How to reach Kafka and which topics quire uses. Its Debug output shows
 /// secret properties (SASL and SSL passwords, keys) as `[redacted]`.
+#[serde_as]
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSettings {
     pub bootstrap_servers: String,
-    pub transaction_timeout_ms: u64,
-    pub request_timeout_ms: u64,
+    #[serde(rename = "transaction_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub transaction_timeout: Duration,
+    #[serde(rename = "request_timeout_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub request_timeout: Duration,
     /// Partitions of the records and watermark topics when they are
     /// created; growing them later is `report-generator partitions grow`.
     pub partitions: i32,
@@ -180,17 +236,22 @@ pub struct TopicNames {
     pub idempotency: String,
 }
 
+#[serde_as]
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct S3Settings {
     pub endpoint: String,
     pub region: String,
     pub bucket: String,
-    /// Days reports and manifests are kept; 0 keeps them forever.
-    pub report_retention_days: u32,
-    /// Minutes between two retention sweeps, where the server has no
-    /// lifecycle rules.
-    pub retention_sweep_minutes: u64,
+    /// Days reports and manifests are kept; `None` (0 in the file): kept
+    /// forever.
+    #[serde_as(as = "OffWhenZero<Same>")]
+    pub report_retention_days: Option<NonZeroU32>,
+    /// Time between two retention sweeps, where the server has no
+    /// lifecycle rules (minutes in the file).
+    #[serde(rename = "retention_sweep_minutes")]
+    #[serde_as(as = "DurationMinutes")]
+    pub retention_sweep: Duration,
 }
 
 impl fmt::Debug for KafkaSettings {
@@ -198,8 +259,8 @@ impl fmt::Debug for KafkaSettings {
         formatter
             .debug_struct("KafkaSettings")
             .field("bootstrap_servers", &self.bootstrap_servers)
-            .field("transaction_timeout_ms", &self.transaction_timeout_ms)
-            .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("transaction_timeout", &self.transaction_timeout)
+            .field("request_timeout", &self.request_timeout)
             .field("partitions", &self.partitions)
             .field("topics", &self.topics)
             .field("properties", &RedactedProperties(&self.properties))
@@ -422,8 +483,51 @@ mod tests {
         let settings = defaults();
         assert_eq!(settings.kafka.topics.records, "quire.records");
         assert_eq!(settings.kafka.topics.watermarks, "quire.watermarks");
-        assert_eq!(settings.kafka.transaction_timeout_ms, 10_000);
+        assert_eq!(settings.kafka.transaction_timeout, Duration::from_secs(10));
         assert_eq!(settings.log.format, LogFormat::Human);
+    }
+
+    #[test]
+    fn durations_zeroes_and_empty_values_read_as_their_types() {
+        let read = |variables: &[(&str, &str)]| {
+            load_with(
+                None,
+                variables
+                    .iter()
+                    .map(|(name, value)| ((*name).to_owned(), (*value).to_owned())),
+            )
+        };
+        let settings = read(&[
+            ("QUIRE_API__IDLE_TIMEOUT_MS", "1500"),
+            ("QUIRE_API__DOWNLOAD_URL_EXPIRY_MS", "0"),
+            ("QUIRE_API__DOWNLOAD_URL_ENDPOINT", ""),
+            ("QUIRE_S3__REPORT_RETENTION_DAYS", "0"),
+            ("QUIRE_S3__RETENTION_SWEEP_MINUTES", "5"),
+            ("QUIRE_WORKER__SPILL_DIR", ""),
+        ])
+        .unwrap();
+        assert_eq!(settings.api.idle_timeout, Duration::from_millis(1500));
+        assert_eq!(settings.api.download_url_expiry, None, "0: off");
+        assert_eq!(settings.api.download_url_endpoint, None, "empty: none");
+        assert_eq!(settings.s3.report_retention_days, None, "0: forever");
+        assert_eq!(settings.s3.retention_sweep, Duration::from_secs(300));
+        assert_eq!(settings.worker.spill_dir, None);
+        let settings = read(&[
+            ("QUIRE_API__DOWNLOAD_URL_EXPIRY_MS", "60000"),
+            ("QUIRE_S3__REPORT_RETENTION_DAYS", "30"),
+            ("QUIRE_WORKER__SPILL_DIR", "/var/spill"),
+        ])
+        .unwrap();
+        assert_eq!(
+            settings.api.download_url_expiry,
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(settings.s3.report_retention_days, NonZeroU32::new(30));
+        assert_eq!(settings.worker.spill_dir.as_deref(), Some("/var/spill"));
+        let error = read(&[("QUIRE_WORKER__SESSION_TIMEOUT_MS", "soon")])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("session_timeout_ms"), "{error}");
     }
 
     #[test]
@@ -489,7 +593,7 @@ mod tests {
             ]),
         )
         .expect("quire's other variables are passed over");
-        assert_eq!(settings.worker.max_records, 7);
+        assert_eq!(settings.worker.max_records.get(), 7);
     }
 
     #[test]

@@ -60,10 +60,13 @@ pub fn stale_after(check_interval: Duration) -> Duration {
 
 /// How long the procedure waits between the freeze and the markers.
 pub fn settle_time(settings: &Settings) -> Duration {
-    stale_after(Duration::from_millis(
-        settings.api.kafka_check_interval_ms.max(1),
-    )) + Duration::from_millis(settings.api.publish_timeout_ms)
-        + Duration::from_millis(settings.kafka.transaction_timeout_ms)
+    stale_after(
+        settings
+            .api
+            .kafka_check_interval
+            .max(Duration::from_millis(1)),
+    ) + settings.api.publish_timeout
+        + settings.kafka.transaction_timeout
         + Duration::from_secs(2)
 }
 
@@ -343,9 +346,9 @@ mod tests {
     fn the_settle_wait_covers_staleness_an_admitted_array_and_an_open_transaction() {
         let settings = quire_config::defaults();
         let settle = settle_time(&settings);
-        let at_least = stale_after(Duration::from_millis(settings.api.kafka_check_interval_ms))
-            + Duration::from_millis(settings.api.publish_timeout_ms)
-            + Duration::from_millis(settings.kafka.transaction_timeout_ms);
+        let at_least = stale_after(settings.api.kafka_check_interval)
+            + settings.api.publish_timeout
+            + settings.kafka.transaction_timeout;
         assert!(settle > at_least, "{settle:?}");
         assert_eq!(
             stale_after(Duration::from_millis(100)),

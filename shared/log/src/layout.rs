@@ -60,7 +60,7 @@ pub async fn read_layout(
     })
     .await??;
     let (layout, _) = follower
-        .fresh(Duration::from_millis(kafka.request_timeout_ms.max(1)))
+        .fresh(kafka.request_timeout.max(Duration::from_millis(1)))
         .await?;
     Ok(layout)
 }

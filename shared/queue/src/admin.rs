@@ -1,7 +1,6 @@
 //! Topic creation and the start-up check that topics are what DESIGN.md says.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use quire_config::{KafkaSettings, TopicNames};
 use rdkafka::admin::{
@@ -111,7 +110,7 @@ pub(crate) fn admin_client(
 }
 
 fn options(settings: &KafkaSettings) -> AdminOptions {
-    AdminOptions::new().operation_timeout(Some(Duration::from_millis(settings.request_timeout_ms)))
+    AdminOptions::new().operation_timeout(Some(settings.request_timeout))
 }
 
 /// Creates the topics that do not exist yet. Existing topics are left alone
@@ -204,7 +203,7 @@ pub async fn delete_topics(settings: &KafkaSettings, names: &[&str]) -> Result<(
 /// so a service refuses to run on one.
 pub async fn check_topics(settings: &KafkaSettings, specs: &[TopicSpec]) -> Result<(), QueueError> {
     let admin = admin_client(settings)?;
-    let timeout = Duration::from_millis(settings.request_timeout_ms);
+    let timeout = settings.request_timeout;
     let metadata_client: BaseConsumer = base_config(settings)?
         .create()
         .map_err(QueueError::client)?;

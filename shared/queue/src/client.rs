@@ -102,7 +102,7 @@ pub(crate) fn producer_config(
         .set("transactional.id", transactional_id)
         .set(
             "transaction.timeout.ms",
-            settings.transaction_timeout_ms.to_string(),
+            settings.transaction_timeout.as_millis().to_string(),
         )
         // The Java client's partitioner, so every client maps a key alike.
         .set("partitioner", "murmur2_random");

@@ -185,7 +185,7 @@ impl ArrayConsumer {
             .get("max.poll.interval.ms")
             .and_then(|value| value.trim().parse::<u64>().ok())
             .map_or(DEFAULT_MAX_POLL_INTERVAL, Duration::from_millis);
-        let timeout = Duration::from_millis(settings.request_timeout_ms);
+        let timeout = settings.request_timeout;
         let context = QueueContext::new(&options.topic, timeout);
         let consumer: BaseConsumer<QueueContext> = config
             .create_with_context(context)

@@ -54,7 +54,7 @@ pub fn describe_topic_blocking(
     topic: &str,
 ) -> Result<TopicIdentity, QueueError> {
     let admin = crate::admin::admin_client(settings)?;
-    let timeout = Duration::from_millis(settings.request_timeout_ms.max(1));
+    let timeout = settings.request_timeout.max(Duration::from_millis(1));
     describe_with(admin.inner().native_ptr(), topic, timeout)
 }
 

@@ -26,7 +26,7 @@ pub async fn send_acknowledged(
     let producer: FutureProducer = plain_producer_config(settings)?
         .create()
         .map_err(QueueError::client)?;
-    let timeout = Duration::from_millis(settings.request_timeout_ms.max(1));
+    let timeout = settings.request_timeout.max(Duration::from_millis(1));
     let mut ids = Vec::with_capacity(messages.len());
     for message in messages {
         let delivered = producer

@@ -88,8 +88,7 @@ impl PartitionReader {
         Ok(PartitionReader {
             committed: create("read_committed")?,
             uncommitted: create("read_uncommitted")?,
-            call_timeout: Duration::from_millis(settings.request_timeout_ms)
-                .min(Duration::from_secs(5)),
+            call_timeout: settings.request_timeout.min(Duration::from_secs(5)),
         })
     }
 

@@ -116,7 +116,7 @@ impl TopicTail {
             .create_with_context(QuietAboutTheEnd)
             .map_err(QueueError::client)?;
 
-        let deadline = Instant::now() + Duration::from_millis(settings.request_timeout_ms);
+        let deadline = Instant::now() + settings.request_timeout;
         let mut assignment = TopicPartitionList::new();
         let mut covered = Vec::with_capacity(partitions.max(0) as usize);
         for partition in 0..partitions {

@@ -57,11 +57,12 @@ impl Retention {
     /// From `s3.report_retention_days` (0 = forever) and
     /// `s3.retention_sweep_minutes`.
     pub fn from_settings(settings: &S3Settings) -> Self {
-        let keep_for = (settings.report_retention_days > 0)
-            .then(|| Duration::from_secs(u64::from(settings.report_retention_days) * 24 * 60 * 60));
+        let keep_for = settings
+            .report_retention_days
+            .map(|days| Duration::from_secs(u64::from(days.get()) * 24 * 60 * 60));
         Retention {
             keep_for,
-            sweep_every: Duration::from_secs(settings.retention_sweep_minutes.max(1) * 60),
+            sweep_every: settings.retention_sweep.max(Duration::from_secs(60)),
         }
     }
 
@@ -517,8 +518,8 @@ mod tests {
 
     fn settings(days: u32, minutes: u64) -> S3Settings {
         S3Settings {
-            report_retention_days: days,
-            retention_sweep_minutes: minutes,
+            report_retention_days: std::num::NonZeroU32::new(days),
+            retention_sweep: Duration::from_secs(minutes * 60),
             ..quire_config::defaults().s3
         }
     }
@@ -528,7 +529,7 @@ mod tests {
         let retention = Retention::from_settings(&settings(0, 60));
         assert_eq!(retention.keep_for, None);
         assert_eq!(retention.sweep_every, Duration::from_secs(3600));
-        assert_eq!(quire_config::defaults().s3.report_retention_days, 0);
+        assert_eq!(quire_config::defaults().s3.report_retention_days, None);
     }
 
     #[test]

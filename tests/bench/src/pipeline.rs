@@ -774,7 +774,9 @@ async fn start_api(
         .settings
         .api
         .control_requests_per_minute_per_principal;
-    *principal = (*principal).max(u32::try_from(streams.saturating_mul(4)).unwrap_or(u32::MAX));
+    let needed = u32::try_from(streams.saturating_mul(4)).unwrap_or(u32::MAX);
+    *principal =
+        (*principal).max(std::num::NonZeroU32::new(needed).unwrap_or(std::num::NonZeroU32::MIN));
     let process = launch
         .binary(binary)
         .try_start_api(limit.min(Duration::from_secs(60)))

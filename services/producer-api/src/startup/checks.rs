@@ -4,7 +4,6 @@
 //! `Idempotency-Key` answers are loaded, which may take minutes).
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,10 +35,13 @@ pub fn check(settings: &Settings, address: SocketAddr) -> Result<Checked, Startu
     let checked = Checked {
         limits: limits(settings)?,
         connections: connection_limits(settings)?,
-        control_limits: Arc::new(control_limits(settings)?),
+        control_limits: Arc::new(control_limits(settings)),
         download_endpoint: download_endpoint(settings)?,
         tokens: authentication(settings, address)?,
-        check_interval: Duration::from_millis(settings.api.kafka_check_interval_ms.max(1)),
+        check_interval: settings
+            .api
+            .kafka_check_interval
+            .max(Duration::from_millis(1)),
     };
     openapi::check().map_err(StartupError::OpenApi)?;
     Ok(checked)
@@ -101,17 +103,16 @@ pub fn check_idempotency_ttl(
 
 /// The endpoint download URLs are signed for, or None when they are off.
 fn download_endpoint(settings: &Settings) -> Result<Option<String>, StartupError> {
-    let expiry = settings.api.download_url_expiry_ms;
-    if expiry == 0 {
+    let Some(expiry) = settings.api.download_url_expiry else {
         return Ok(None);
+    };
+    if expiry > MAX_DOWNLOAD_URL_EXPIRY {
+        return Err(StartupError::DownloadUrlExpiry(expiry.as_millis()));
     }
-    if Duration::from_millis(expiry) > MAX_DOWNLOAD_URL_EXPIRY {
-        return Err(StartupError::DownloadUrlExpiry(expiry));
-    }
-    let endpoint = settings.api.download_url_endpoint.trim();
-    if endpoint.is_empty() {
-        return Ok(Some(settings.s3.endpoint.clone()));
-    }
+    let endpoint = match settings.api.download_url_endpoint.as_deref().map(str::trim) {
+        None | Some("") => return Ok(Some(settings.s3.endpoint.clone())),
+        Some(endpoint) => endpoint,
+    };
     // Credentials in the URL are never echoed.
     let shown = if endpoint.contains('@') {
         "(an endpoint with credentials in it)".to_owned()
@@ -131,67 +132,44 @@ fn download_endpoint(settings: &Settings) -> Result<Option<String>, StartupError
     Ok(Some(endpoint.trim_end_matches('/').to_owned()))
 }
 
-fn control_limits(settings: &Settings) -> Result<ControlLimits, StartupError> {
+fn control_limits(settings: &Settings) -> ControlLimits {
     let api = &settings.api;
-    let at_least_one =
-        |key, value: u32| NonZeroU32::new(value).ok_or(StartupError::ZeroLimit { key });
-    Ok(ControlLimits::new(
-        at_least_one(
-            "control_requests_per_minute_per_stream",
-            api.control_requests_per_minute_per_stream,
-        )?,
-        at_least_one(
-            "control_requests_per_minute_per_principal",
-            api.control_requests_per_minute_per_principal,
-        )?,
-    ))
+    ControlLimits::new(
+        api.control_requests_per_minute_per_stream,
+        api.control_requests_per_minute_per_principal,
+    )
 }
 
 fn connection_limits(settings: &Settings) -> Result<ConnectionLimits, StartupError> {
     let api = &settings.api;
-    for (key, value) in [
-        (
-            "header_read_timeout_ms",
-            api.header_read_timeout_ms as usize,
-        ),
-        ("idle_timeout_ms", api.idle_timeout_ms as usize),
-        ("max_connections", api.max_connections),
+    for (key, zero) in [
+        ("header_read_timeout_ms", api.header_read_timeout.is_zero()),
+        ("idle_timeout_ms", api.idle_timeout.is_zero()),
     ] {
-        if value == 0 {
+        if zero {
             return Err(StartupError::ZeroLimit { key });
         }
     }
     Ok(ConnectionLimits {
-        header_read_timeout: Duration::from_millis(api.header_read_timeout_ms),
-        idle_timeout: Duration::from_millis(api.idle_timeout_ms),
-        max_connections: api.max_connections,
+        header_read_timeout: api.header_read_timeout,
+        idle_timeout: api.idle_timeout,
+        max_connections: api.max_connections.get(),
     })
 }
 
 fn limits(settings: &Settings) -> Result<Limits, StartupError> {
     let api = &settings.api;
-    for (key, value) in [
-        ("max_body_bytes", api.max_body_bytes),
-        ("max_record_bytes", api.max_record_bytes),
-        ("max_records_per_request", api.max_records_per_request),
-        ("max_in_flight_bytes", api.max_in_flight_bytes),
-        ("idempotency_max_keys", api.idempotency_max_keys),
-    ] {
-        if value == 0 {
-            return Err(StartupError::ZeroLimit { key });
-        }
-    }
     if api.max_in_flight_bytes < api.max_body_bytes {
         return Err(StartupError::InFlightBelowBody {
-            in_flight: api.max_in_flight_bytes,
-            body: api.max_body_bytes,
+            in_flight: api.max_in_flight_bytes.get(),
+            body: api.max_body_bytes.get(),
         });
     }
     Ok(Limits {
-        max_body_bytes: api.max_body_bytes,
-        max_record_bytes: api.max_record_bytes,
-        max_records_per_request: api.max_records_per_request,
-        body_read_timeout: Duration::from_millis(api.body_read_timeout_ms),
+        max_body_bytes: api.max_body_bytes.get(),
+        max_record_bytes: api.max_record_bytes.get(),
+        max_records_per_request: api.max_records_per_request.get(),
+        body_read_timeout: api.body_read_timeout,
     })
 }
 
@@ -212,31 +190,39 @@ mod tests {
     }
 
     /// Every limit that must be at least 1 is refused at 0, whichever it
-    /// is, before anything connects.
+    /// is, before anything connects: counts when the settings load (their
+    /// types cannot hold 0), durations here.
     #[test]
     fn every_limit_at_zero_is_refused_before_anything_connects() {
         let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
         assert!(check(&quire_config::defaults(), loopback).is_ok());
+        for key in [
+            "max_body_bytes",
+            "max_record_bytes",
+            "max_records_per_request",
+            "max_in_flight_bytes",
+            "idempotency_max_keys",
+            "max_connections",
+            "control_requests_per_minute_per_stream",
+            "control_requests_per_minute_per_principal",
+            "producers",
+        ] {
+            let variable = format!("QUIRE_API__{}", key.to_uppercase());
+            let error = quire_config::load_with(None, [(variable, "0".to_owned())])
+                .err()
+                .unwrap_or_else(|| panic!("{key} = 0 was accepted"))
+                .to_string();
+            assert!(
+                error.contains(key) && error.contains("nonzero"),
+                "{key}: {error}"
+            );
+        }
         type ZeroIt = fn(&mut Settings);
-        let zeroes: [(&str, ZeroIt); 10] = [
-            ("max_body_bytes", |s| s.api.max_body_bytes = 0),
-            ("max_record_bytes", |s| s.api.max_record_bytes = 0),
-            ("max_records_per_request", |s| {
-                s.api.max_records_per_request = 0
-            }),
-            ("max_in_flight_bytes", |s| s.api.max_in_flight_bytes = 0),
-            ("idempotency_max_keys", |s| s.api.idempotency_max_keys = 0),
+        let zeroes: [(&str, ZeroIt); 2] = [
             ("header_read_timeout_ms", |s| {
-                s.api.header_read_timeout_ms = 0
+                s.api.header_read_timeout = Duration::ZERO
             }),
-            ("idle_timeout_ms", |s| s.api.idle_timeout_ms = 0),
-            ("max_connections", |s| s.api.max_connections = 0),
-            ("control_requests_per_minute_per_stream", |s| {
-                s.api.control_requests_per_minute_per_stream = 0
-            }),
-            ("control_requests_per_minute_per_principal", |s| {
-                s.api.control_requests_per_minute_per_principal = 0
-            }),
+            ("idle_timeout_ms", |s| s.api.idle_timeout = Duration::ZERO),
         ];
         for (name, zero) in zeroes {
             let mut settings = quire_config::defaults();
@@ -326,16 +312,16 @@ mod tests {
             Some(settings.s3.endpoint.as_str()),
             "on by default, signed for s3.endpoint"
         );
-        settings.api.download_url_expiry_ms = 0;
+        settings.api.download_url_expiry = None;
         assert!(download_endpoint(&settings).unwrap().is_none());
-        settings.api.download_url_expiry_ms = 7 * 24 * 3600 * 1000;
+        settings.api.download_url_expiry = Some(Duration::from_secs(7 * 24 * 3600));
         assert!(download_endpoint(&settings).unwrap().is_some());
-        settings.api.download_url_expiry_ms += 1;
+        settings.api.download_url_expiry = Some(Duration::from_secs(7 * 24 * 3600 + 1));
         let error = download_endpoint(&settings).err().unwrap();
         assert!(error.to_string().contains("7 days"), "{error}");
 
-        settings.api.download_url_expiry_ms = 60_000;
-        settings.api.download_url_endpoint = "https://s3.example.com:9000/".into();
+        settings.api.download_url_expiry = Some(Duration::from_secs(60));
+        settings.api.download_url_endpoint = Some("https://s3.example.com:9000/".into());
         assert_eq!(
             download_endpoint(&settings).unwrap().as_deref(),
             Some("https://s3.example.com:9000")
@@ -348,7 +334,7 @@ mod tests {
             "https://user:secret@s3.example.com",
             "not a url",
         ] {
-            settings.api.download_url_endpoint = bad.into();
+            settings.api.download_url_endpoint = Some(bad.into());
             let error = download_endpoint(&settings).err().unwrap();
             assert!(
                 matches!(error, StartupError::DownloadUrlEndpoint(_)),

@@ -67,7 +67,7 @@ pub enum StartupError {
     #[error(
         "api.download_url_expiry_ms is {0}; a presigned URL lives at most 604800000 ms (7 days), or 0 turns them off"
     )]
-    DownloadUrlExpiry(u64),
+    DownloadUrlExpiry(u128),
     #[error(
         "api.download_url_endpoint {0:?} is not an http:// or https:// URL of an S3 endpoint (scheme, host, optional port, no path or query)"
     )]
@@ -143,7 +143,7 @@ impl Application {
         let connected = connect(&settings, &checked, stop.clone()).await?;
         tracing::info!(
             %address,
-            producers = settings.api.producers.max(1),
+            producers = settings.api.producers.get(),
             replica_id = %settings.api.replica_id,
             records_topic = %settings.kafka.topics.records,
             bucket = %settings.s3.bucket,
@@ -229,7 +229,7 @@ async fn connect(
         .await
         .map_err(StartupError::Topics)?;
     checks::check_idempotency_ttl(
-        settings.api.idempotency_ttl_ms,
+        u64::try_from(settings.api.idempotency_ttl.as_millis()).unwrap_or(u64::MAX),
         idempotency_topic,
         &idempotency_config,
     )?;
@@ -241,16 +241,16 @@ async fn connect(
         .partitions;
 
     let idempotency = IdempotencyStore::new(StoreLimits {
-        max_keys: settings.api.idempotency_max_keys,
+        max_keys: settings.api.idempotency_max_keys.get(),
         max_bytes: settings.api.idempotency_max_bytes,
-        ttl: Duration::from_millis(settings.api.idempotency_ttl_ms),
+        ttl: settings.api.idempotency_ttl,
     });
     let key_log = {
         let (kafka, store) = (kafka.clone(), Arc::clone(&idempotency));
         let partitions = partitions_of(&specs, idempotency_topic);
         let group_id = group_id(settings, "idempotency");
-        let ttl = Duration::from_millis(settings.api.idempotency_ttl_ms);
-        let catch_up_limit = Duration::from_millis(settings.api.idempotency_lookup_timeout_ms);
+        let ttl = settings.api.idempotency_ttl;
+        let catch_up_limit = settings.api.idempotency_lookup_timeout;
         tokio::task::spawn_blocking(move || {
             KeyLog::start(&kafka, partitions, &group_id, ttl, catch_up_limit, store)
         })
@@ -325,17 +325,17 @@ async fn connect(
     if let Err(error) = storage.check_bucket(STARTUP_S3_CHECK).await {
         tracing::warn!(error = %error, "s3 bucket not reachable; report and definition routes fail until it is");
     }
-    let downloads = match &checked.download_endpoint {
-        Some(endpoint) => {
+    let downloads = match (&checked.download_endpoint, settings.api.download_url_expiry) {
+        (Some(endpoint), Some(expiry)) => {
             let mut signing = settings.s3.clone();
             signing.endpoint = endpoint.clone();
             Some(DownloadUrls::new(
                 quire_s3::build_client(&signing).await,
                 settings.s3.bucket.clone(),
-                Duration::from_millis(settings.api.download_url_expiry_ms),
+                expiry,
             ))
         }
-        None => None,
+        _ => None,
     };
 
     let loading = std::time::Instant::now();
@@ -445,7 +445,7 @@ fn spawn(
         },
         gate: Gate {
             in_flight_bytes: InFlightBytes::new(
-                settings.api.max_in_flight_bytes,
+                settings.api.max_in_flight_bytes.get(),
                 metrics.in_flight_bytes_gauge(),
             ),
             idempotency,
@@ -497,7 +497,7 @@ mod tests {
         let mut settings = quire_config::defaults();
         settings.api.listen = "127.0.0.1:0".into();
         settings.kafka.bootstrap_servers = "127.0.0.1:1".into();
-        settings.api.max_connections = 0;
+        settings.api.idle_timeout = Duration::ZERO;
         let started = std::time::Instant::now();
         let refused = tokio::time::timeout(Duration::from_secs(5), Application::build(settings))
             .await
@@ -506,7 +506,7 @@ mod tests {
             matches!(
                 refused,
                 Err(StartupError::ZeroLimit {
-                    key: "max_connections"
+                    key: "idle_timeout_ms"
                 })
             ),
             "{:?}",

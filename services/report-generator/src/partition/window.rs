@@ -21,7 +21,10 @@ pub struct StreamWindow {
 impl StreamWindow {
     /// Progress that starts at `first`, the window of the stream's first
     /// windowed message; earlier windows are not reported.
-    pub(super) fn starting_at(spec: &quire_messages::window::WindowSpec, first: Window) -> Option<Self> {
+    pub(super) fn starting_at(
+        spec: &quire_messages::window::WindowSpec,
+        first: Window,
+    ) -> Option<Self> {
         let schedule = spec.schedule().ok()?;
         Some(StreamWindow {
             schedule: Arc::new(schedule),

@@ -75,10 +75,11 @@ impl Worker {
                 "worker.replica_id must not be empty".into(),
             ));
         }
-        if worker.max_poll_interval_ms < worker.session_timeout_ms {
+        if worker.max_poll_interval < worker.session_timeout {
             return Err(WorkerError::Config(format!(
                 "worker.max_poll_interval_ms ({}) must be at least worker.session_timeout_ms ({})",
-                worker.max_poll_interval_ms, worker.session_timeout_ms
+                worker.max_poll_interval.as_millis(),
+                worker.session_timeout.as_millis()
             )));
         }
         let topics = settings.kafka.topics.clone();
@@ -128,10 +129,10 @@ impl Worker {
         let mut options = ConsumerOptions::new(&worker.group_id, &topics.records);
         options.group_instance_id = Some(worker.replica_id.clone());
         options.cooperative = true;
-        options.statistics_interval = Some(Duration::from_millis(worker.statistics_interval_ms));
-        options.session_timeout = Some(Duration::from_millis(worker.session_timeout_ms));
+        options.statistics_interval = Some(worker.statistics_interval);
+        options.session_timeout = Some(worker.session_timeout);
         options.commit_metadata = Some(quire_log::commit_metadata(&watermarks.id));
-        options.max_poll_interval = Some(Duration::from_millis(worker.max_poll_interval_ms));
+        options.max_poll_interval = Some(worker.max_poll_interval);
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
         // Count and byte rollovers are decided inline, so a document ends at
         // the record that reaches rollover_bytes: the declared maximum is
@@ -139,11 +140,12 @@ impl Worker {
         // the document before it (see `decide::fit`).
         let declared_maximum = worker
             .rollover_bytes
+            .get()
             .saturating_add(ONE_RECORD_ROOM)
             .min(quire_s3::MAXIMUM_OBJECT_SIZE);
         let record_limit = declared_maximum.saturating_sub(CLOSING_ROOM);
         let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
-        policy.max_in_flight = worker.parts_in_flight.max(1);
+        policy.max_in_flight = worker.parts_in_flight.get();
         let memory = crate::document::memory_pool(worker, &policy, monitor.metrics.s3_counters())?;
         tracing::info!(
             replica = %worker.replica_id,
@@ -161,7 +163,7 @@ impl Worker {
             &settings.kafka,
             log.records.clone(),
             watermarks.clone(),
-            Duration::from_millis(worker.topic_check_interval_ms),
+            worker.topic_check_interval,
         );
         Ok(Worker {
             settings: worker.clone(),
@@ -172,8 +174,8 @@ impl Worker {
                     policy,
                 },
                 limits: CutLimits {
-                    rollover_records: worker.rollover_records,
-                    rollover_bytes: worker.rollover_bytes,
+                    rollover_records: worker.rollover_records.get(),
+                    rollover_bytes: worker.rollover_bytes.get(),
                     record_limit,
                 },
                 log,
@@ -185,7 +187,7 @@ impl Worker {
             monitor: monitor.clone(),
             summary: RunSummary::default(),
             refused: None,
-            stuck: StuckWatch::new(Duration::from_millis(settings.kafka.transaction_timeout_ms)),
+            stuck: StuckWatch::new(settings.kafka.transaction_timeout),
             topic_watch,
             watermarks,
             unserved: std::collections::BTreeSet::new(),

@@ -4,8 +4,6 @@
 //! array's transaction and cuts where it lands in the log, like any other
 //! cut (ARCHITECTURE.md, "every cut is decided by the log").
 
-use std::time::Duration;
-
 use quire_messages::window::Window;
 use quire_messages::{CutMarker, StreamName, Trigger, records};
 
@@ -42,7 +40,7 @@ impl Worker {
             .values()
             .flat_map(|pipeline| pipeline.documents());
         for (partition, stream) in
-            crate::document::gzip_documents_to_cut(open, settings.max_gzip_documents)
+            crate::document::gzip_documents_to_cut(open, settings.max_gzip_documents.get())
         {
             if let Some(document) = self
                 .partitions
@@ -53,7 +51,7 @@ impl Worker {
                 request_cut(&topics.records, document, Trigger::Memory, outbox);
             }
         }
-        let max_age = Duration::from_millis(settings.rollover_age_ms);
+        let max_age = settings.rollover_age;
         let mut buffered: Vec<(u64, (i32, StreamName))> = Vec::new();
         let mut total: u64 = 0;
         for pipeline in self.partitions.values_mut() {

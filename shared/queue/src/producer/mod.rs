@@ -172,7 +172,7 @@ impl TransactionalProducer {
     ) -> Result<Self, QueueError> {
         let config = producer_config(settings, transactional_id)?;
         let statistics = ProducerStatistics::default();
-        let timeout = Duration::from_millis(settings.request_timeout_ms);
+        let timeout = settings.request_timeout;
         let producer = {
             let (config, statistics) = (config.clone(), statistics.clone());
             tokio::task::spawn_blocking(move || initialised(&config, statistics, timeout))
@@ -186,7 +186,7 @@ impl TransactionalProducer {
         };
         let inner = Arc::new(Inner {
             config,
-            transaction_timeout: Duration::from_millis(settings.transaction_timeout_ms),
+            transaction_timeout: settings.transaction_timeout,
             release_transaction_timeout: twin::release_transaction_timeout(settings),
             statistics,
             transactional_id: transactional_id.to_owned(),

@@ -80,7 +80,7 @@ fn three_quarters(timeout: Duration) -> Duration {
 
 /// The twin's transaction timeout for `settings` (see [`Release`]).
 pub(super) fn release_transaction_timeout(settings: &KafkaSettings) -> Duration {
-    RELEASE_TRANSACTION_TIMEOUT.max(Duration::from_millis(settings.transaction_timeout_ms))
+    RELEASE_TRANSACTION_TIMEOUT.max(settings.transaction_timeout)
 }
 
 impl Locked<'_> {
