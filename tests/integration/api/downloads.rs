@@ -117,7 +117,8 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
         assert_eq!(std::fs::read(&output).unwrap(), stored);
     }
 
-    // Past its expiry, S3 refuses the URL.
+    // Past its expiry, S3 refuses the URL. The sleep is the thing tested:
+    // the URL's time runs out (S3 keeps no state to poll).
     let expired = signed_at + Duration::from_secs(5) + Duration::from_secs(2);
     tokio::time::sleep(expired.saturating_duration_since(Instant::now())).await;
     let response = plain.get(&url).send().await.unwrap();

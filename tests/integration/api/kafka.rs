@@ -211,6 +211,8 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
         quire_tests::raw_transactional_producer(&settings, &unique("settle-late-commit"));
     let at = quire_tests::send_in_transaction(&late_commit, &topic.name, key).await;
     let committer = std::thread::spawn(move || {
+        // The scenario, not a wait for a state: the transaction ends a
+        // moment after the look-up has started waiting for it.
         std::thread::sleep(Duration::from_secs(1));
         rdkafka::producer::Producer::commit_transaction(&late_commit, Duration::from_secs(30))
             .expect("late commit");
@@ -245,6 +247,7 @@ async fn an_unknown_commit_outcome_is_settled_by_reading_the_log_where_it_was_wr
     let fenced = quire_tests::raw_transactional_producer(&settings, &id);
     let at = quire_tests::send_in_transaction(&fenced, &topic.name, key).await;
     let fencer = std::thread::spawn(move || {
+        // The scenario, as above: fenced a moment after the look-up started.
         std::thread::sleep(Duration::from_secs(1));
         quire_tests::raw_transactional_producer(&quire_tests::kafka_settings(), &id)
     });

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use quire_tests::{TestStack, read_all, records, unique};
 use serde_json::{Value, json};
 
-use super::{RECORDS_PARTITIONS, committed_bodies, raw_request, sequence_numbers};
+use super::{
+    RECORDS_PARTITIONS, committed_bodies, raw_request, scrape_metric, sequence_numbers, wait_until,
+};
 
 /// A `POST .../records` of exactly `length` bytes.
 fn body_of_length(stream: &str, seq: u64, length: usize) -> Vec<u8> {
@@ -209,7 +211,15 @@ async fn idle_bodies_slow_heads_and_silent_connections_hold_nothing() {
             )
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once the API has read their heads, each is a request in flight (its
+    // handler waiting for the body); with the scrape's own, eleven.
+    let port = api.port();
+    wait_until(
+        "the API to read the ten idle bodies' heads",
+        Duration::from_secs(10),
+        || async move { scrape_metric(port, "quire_api_http_requests_in_flight") == Some(11.0) },
+    )
+    .await;
     assert_eq!(api.metric("quire_api_in_flight_bytes").await, Some(0.0));
     api.send_ok(&stream, &records(&stream, 0, 3)).await;
 
@@ -260,23 +270,44 @@ async fn past_max_connections_a_new_one_waits_for_a_free_slot() {
         .start_api()
         .await;
     // The start's health check left a kept-alive connection: idle, it is
-    // closed at the header timeout. Then three requests whose bodies never
-    // come (held until api.body_read_timeout_ms) fill every slot.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // closed at the header timeout. Until then the scrape's own connection
+    // is not the only one open.
+    let port = api.port();
+    let open_connections = || async move { scrape_metric(port, "quire_api_open_connections") };
+    wait_until(
+        "the health check's kept-alive connection to be closed",
+        Duration::from_secs(10),
+        || async { open_connections().await == Some(1.0) },
+    )
+    .await;
+    // Then three requests whose bodies never come (held until
+    // api.body_read_timeout_ms) fill every slot: two, seen open (three
+    // with the scrape's own)...
     let stream = unique("capped");
     let head = format!(
         "POST /v1/streams/{stream}/records HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     );
-    let mut holders: Vec<TcpStream> = (0..3)
-        .map(|_| connect_and_write(api.port(), &head))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let port = api.port();
+    let mut holders: Vec<TcpStream> = (0..2).map(|_| connect_and_write(port, &head)).collect();
+    wait_until(
+        "the API to accept two holders",
+        Duration::from_secs(10),
+        || async { open_connections().await == Some(3.0) },
+    )
+    .await;
+    // ... and a third, in the slot the scrape gives back. Nothing can be
+    // scraped from here on (every slot is held); none is needed: the third
+    // is in the kernel's backlog before the fourth, and the backlog is
+    // accepted first in, first out.
+    holders.push(connect_and_write(port, &head));
+    // Timed from before the observation below starts (not from inside the
+    // thread, which may start a moment later and then measure less).
+    let started = Instant::now();
     let waiting = std::thread::spawn(move || {
-        let started = Instant::now();
         let status = raw_request(port, "GET", "/healthz");
         (status, started.elapsed())
     });
+    // This sleep is the observation, not a wait for a state: for 1.5 s the
+    // fourth connection must get no answer (its wait is measured below).
     std::thread::sleep(Duration::from_millis(1500));
     assert!(!waiting.is_finished(), "a fourth connection was served");
     drop(holders.remove(0));

@@ -25,10 +25,11 @@ mod openapi;
 mod requests;
 mod security;
 
+use std::future::Future;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use quire_tests::{ApiProcess, TestStack, read_all, records, release_binary};
 use serde_json::Value;
@@ -97,4 +98,45 @@ pub(super) fn raw_request(port: u16, method: &str, path: &str) -> String {
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
     answer.lines().next().unwrap_or_default().to_owned()
+}
+
+/// The value of the unlabelled metric `name` on the API's `/metrics`, read
+/// over a connection of its own that the API closes after answering
+/// (`Connection: close`): no pooled connection lingers to be counted
+/// later. That connection is open while the API answers, so it counts one
+/// in `quire_api_open_connections` (and in
+/// `quire_api_http_requests_in_flight`).
+pub(super) fn scrape_metric(port: u16, name: &str) -> Option<f64> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .expect("metrics request");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("metrics answer");
+    answer
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("{name} ")))
+        .and_then(|value| value.trim().parse().ok())
+}
+
+/// Polls `condition` every 20 ms until it holds; panics saying what was
+/// awaited if it still does not after `limit`.
+pub(super) async fn wait_until<F, Fut>(what: &str, limit: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !condition().await {
+        assert!(
+            Instant::now() < deadline,
+            "waited {limit:?} for {what}, in vain"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
