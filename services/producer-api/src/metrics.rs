@@ -53,6 +53,7 @@ pub struct Metrics {
     transaction_seconds: HistogramFamily<OutcomeLabels>,
     producers_recreated: Counter,
     partitions_released: Counter,
+    open_connections: Gauge,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -170,8 +171,15 @@ impl Metrics {
             "Release transactions committed: one message to every records partition, so no transaction a producer left open there (a COMMIT marker a crashed broker skipped) holds readers back",
             partitions_released.clone(),
         );
+        let open_connections = Gauge::default();
+        registry.register(
+            "open_connections",
+            "Client connections accepted and not yet closed, at most api.max_connections (past it new ones wait in the kernel's backlog, not counted here)",
+            open_connections.clone(),
+        );
         Metrics {
             partitions_released,
+            open_connections,
             in_flight_bytes,
             idempotent_replays,
             kafka_available,
@@ -214,6 +222,12 @@ impl Metrics {
     /// The gauge the in-flight byte limit keeps up to date.
     pub fn in_flight_bytes_gauge(&self) -> Gauge {
         self.in_flight_bytes.clone()
+    }
+
+    /// The gauge the server keeps up to date as it accepts and closes
+    /// connections ([`crate::serve::serve`]).
+    pub fn open_connections_gauge(&self) -> Gauge {
+        self.open_connections.clone()
     }
 
     pub fn idempotent_replay(&self) {
@@ -425,6 +439,26 @@ mod tests {
         );
         assert!(text.contains("quire_api_kafka_available 1"), "{text}");
         assert!(text.contains("quire_api_in_flight_bytes 0"), "{text}");
+        assert!(text.contains("quire_api_open_connections 0"), "{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn the_open_connections_gauge_is_the_one_exposed() {
+        let metrics = Metrics::new();
+        let gauge = metrics.open_connections_gauge();
+        gauge.inc();
+        gauge.inc();
+        assert!(
+            metrics.encode().contains("quire_api_open_connections 2"),
+            "{}",
+            metrics.encode()
+        );
+        gauge.dec();
+        assert!(
+            metrics.encode().contains("quire_api_open_connections 1"),
+            "{}",
+            metrics.encode()
+        );
     }
 }

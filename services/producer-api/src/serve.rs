@@ -11,6 +11,11 @@
 //!   for that long is closed (HTTP/1 and HTTP/2, whatever state it is in);
 //! - `api.max_connections`: past it, the listener stops accepting until a
 //!   connection ends (new ones wait in the kernel's backlog).
+//!
+//! The connections open (accepted, not yet closed) are counted in a gauge
+//! (`quire_api_open_connections`), by a guard each connection's task owns:
+//! whichever way it ends (answered, reset, timed out, the task dropped at
+//! shutdown), the count goes down.
 
 use std::future::Future;
 use std::io;
@@ -24,6 +29,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -38,11 +44,13 @@ pub struct ConnectionLimits {
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then stops
-/// accepting and waits for the connections' requests to finish.
+/// accepting and waits for the connections' requests to finish. Each open
+/// connection counts one in `open_connections`.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,
+    open_connections: Gauge,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -74,6 +82,7 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        let open = OpenConnection::count(&open_connections);
         let _ = stream.set_nodelay(true);
         let io = TokioIo::new(IdleTimeout::new(stream, limits.idle_timeout));
         let connection = builder
@@ -86,12 +95,29 @@ pub async fn serve(
             if let Err(error) = connection.await {
                 tracing::debug!(error = %error, "connection ended");
             }
+            drop(open);
             drop(slot);
         });
     }
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// One open connection in the gauge, until dropped.
+struct OpenConnection(Gauge);
+
+impl OpenConnection {
+    fn count(gauge: &Gauge) -> Self {
+        gauge.inc();
+        OpenConnection(gauge.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// A stream that fails with `TimedOut` once no byte has moved either way

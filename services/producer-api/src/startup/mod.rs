@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use prometheus_client::metrics::gauge::Gauge;
 use quire_config::Settings;
 use quire_queue::{QueueError, TopicSpec, design_topics};
 use tokio::net::TcpListener;
@@ -104,6 +105,8 @@ pub struct Application {
     address: SocketAddr,
     router: Router,
     connections: ConnectionLimits,
+    /// `quire_api_open_connections`, kept by the server.
+    open_connections: Gauge,
     /// Stops every background loop (cancelled when serving ends).
     stop: CancellationToken,
 }
@@ -152,12 +155,14 @@ impl Application {
             idempotency_max_keys = settings.api.idempotency_max_keys,
             "producer api ready"
         );
+        let open_connections = connected.metrics.open_connections_gauge();
         let state = spawn(&settings, &checked, connected, &stop);
         Ok(Application {
             listener,
             address,
             router: router(state, checked.tokens),
             connections: checked.connections,
+            open_connections,
             stop,
         })
     }
@@ -184,7 +189,14 @@ impl Application {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let stop = self.stop.clone();
-        let served = serve(self.listener, self.router, self.connections, shutdown).await;
+        let served = serve(
+            self.listener,
+            self.router,
+            self.connections,
+            self.open_connections,
+            shutdown,
+        )
+        .await;
         stop.cancel();
         served?;
         tracing::info!("producer api stopped");
