@@ -492,7 +492,7 @@ pub struct WorkerProcess {
 }
 
 impl WorkerProcess {
-    /// The process id (for /proc/<pid>/status).
+    /// The process id (for `/proc/<pid>/status`).
     pub fn id(&self) -> u32 {
         self.child.id()
     }

@@ -105,7 +105,9 @@ async fn assert_reported(
     api: &quire_tests::services::ApiProcess,
     ledger: &Ledger,
 ) -> quire_tests::Observed {
-    let (expected, cuts): (BTreeMap<String, Vec<u64>>, Vec<(String, String, u64)>) = {
+    // Each cut: (stream, report id, records accepted before it was sent).
+    type Cuts = Vec<(String, String, u64)>;
+    let (expected, cuts): (BTreeMap<String, Vec<u64>>, Cuts) = {
         let ledger = ledger.lock().unwrap();
         let expected = ledger
             .iter()

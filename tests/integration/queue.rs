@@ -851,7 +851,9 @@ async fn a_tail_covers_markers_and_aborts_and_waits_for_an_open_transaction() {
             .expect("replacement producer");
     }
 
-    let seen: Arc<Mutex<Vec<(i32, i64, Vec<u8>)>>> = Arc::default();
+    // (partition, offset, payload) of every message the tail reads.
+    type Seen = Vec<(i32, i64, Vec<u8>)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let collected = Arc::clone(&seen);
     let settings = kafka_settings();
     let topic_name = topic.name.clone();

@@ -343,12 +343,12 @@ impl ApiError {
         }
     }
 
-    /// The HTTP status code (see [`kind`](Self::kind)).
+    /// The HTTP status code (see `kind`).
     pub fn status(&self) -> StatusCode {
         self.kind().0
     }
 
-    /// A stable name for programs (see [`kind`](Self::kind)).
+    /// A stable name for programs (see `kind`).
     pub fn code(&self) -> &'static str {
         self.kind().1
     }

@@ -363,7 +363,7 @@ impl Publisher {
     /// - while `kafka_available()`, commits the releases that are due on
     ///   the usable ones (see [`Release`]; a producer with traffic releases
     ///   before its next array anyway): the brokers were gone, or
-    ///   [`RELEASE_EVERY`] has passed. A failed release stays due.
+    ///   `RELEASE_EVERY` has passed. A failed release stays due.
     pub async fn run_upkeep(
         self: Arc<Self>,
         kafka_available: impl Fn() -> bool + Send + 'static,

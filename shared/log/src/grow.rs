@@ -318,7 +318,7 @@ async fn wait_until_moved(
                 markers
                     .iter()
                     .filter(|(partition, offset)| {
-                        !moved.get(partition).is_some_and(|seen| seen >= offset)
+                        moved.get(partition).is_none_or(|seen| seen < offset)
                     })
                     .map(|(partition, _)| *partition)
                     .collect()

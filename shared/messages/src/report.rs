@@ -125,7 +125,7 @@ pub struct Watermark {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
     /// Only under the partition's reserved key
-    /// [`DEAD_LETTERS_KEY`](crate::records::DEAD_LETTERS_KEY): the highest
+    /// [`DEAD_LETTERS_KEY`](crate::watermarks::DEAD_LETTERS_KEY): the highest
     /// offset of the record partition whose dead letter is published. A
     /// replay publishes no dead letter at or below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

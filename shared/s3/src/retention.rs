@@ -103,7 +103,7 @@ pub enum LifecycleOutcome {
 
 impl S3Bucket {
     /// Deletes every object under each of `prefixes` (in that order) last
-    /// modified more than `age` ago, a page of [`LIST_PAGE_SIZE`] keys at a
+    /// modified more than `age` ago, a page of `LIST_PAGE_SIZE` keys at a
     /// time; returns what it examined and deleted. Objects that vanish
     /// meanwhile are fine (a delete of a missing key succeeds), so sweeps of
     /// several replicas may overlap.

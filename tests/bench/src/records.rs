@@ -24,8 +24,11 @@ pub struct RecordsArgs {
     runs: usize,
 }
 
+/// Makes the record of a sequence number.
+type MakeRecord = Box<dyn Fn(usize) -> String>;
+
 /// The record shapes the pipeline benchmark sends and a wider one.
-fn shapes() -> Vec<(&'static str, Box<dyn Fn(usize) -> String>)> {
+fn shapes() -> Vec<(&'static str, MakeRecord)> {
     vec![
         (
             "100 B, 3 fields",
@@ -105,7 +108,7 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
     let renderer = quire_xml::DocumentRenderer::new(&definition);
     let mut last = Vec::new();
     for (shape, make) in shapes() {
-        let records: Vec<String> = (0..args.records).map(|seq| make(seq)).collect();
+        let records: Vec<String> = (0..args.records).map(&make).collect();
         let mut fields = Vec::new();
         let mut out = Vec::new();
         let mut tree_out = Vec::new();

@@ -1,6 +1,6 @@
 //! Building the application in three steps, each only once the one before
 //! has passed: bind the listener and check every setting that needs no
-//! connection ([`checks`]: a bad limit is refused at once); connect (the
+//! connection (`checks`: a bad limit is refused at once); connect (the
 //! topics, the producers, the readers of the log, S3, the partition layout,
 //! the stored `Idempotency-Key` answers); spawn the background loops, each
 //! with the application's [`CancellationToken`]. Then serve until shutdown,

@@ -80,7 +80,7 @@ pub struct ProducerOptions {
     /// fails (aborted, nothing visible) after it.
     pub send_timeout: Option<Duration>,
     /// Bound on a transaction's commit, all retries together; `None`:
-    /// [`COMMIT_ATTEMPTS`] attempts of `kafka.request_timeout_ms` each. Past
+    /// `COMMIT_ATTEMPTS` attempts of `kafka.request_timeout_ms` each. Past
     /// it the outcome is unknown ([`QueueError::CommitOutcomeUnknown`]): a
     /// caller that answers clients (the API) sets it to keep its answers
     /// bounded while a transaction coordinator moves.

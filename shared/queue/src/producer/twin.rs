@@ -42,7 +42,7 @@ pub const RELEASE_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
 /// coordinator, or by our abort, with an ABORT marker, and about one crash
 /// round in sixty lost its array that way. So a release after a connect or
 /// a disconnection is committed by a twin: a producer with the same
-/// transactional id and [`RELEASE_TRANSACTION_TIMEOUT`]. Its
+/// transactional id and `RELEASE_TRANSACTION_TIMEOUT`. Its
 /// `init_transactions` bumps the epoch (a marker of a later epoch still
 /// ends the earlier epoch's hanging transaction), and a fresh producer with
 /// the ordinary timeout takes over after it. A periodic release (nothing
@@ -63,7 +63,7 @@ pub struct Release {
 
 impl Release {
     /// The patience that fits `settings`: three quarters of the twin's
-    /// transaction timeout (the longer of [`RELEASE_TRANSACTION_TIMEOUT`] and
+    /// transaction timeout (the longer of `RELEASE_TRANSACTION_TIMEOUT` and
     /// the producer's own), under which neither it nor the coordinator gives
     /// up on the release. A release in place gets at most three quarters of
     /// the producer's own timeout.
