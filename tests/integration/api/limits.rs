@@ -6,11 +6,11 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use quire_tests::{TestStack, read_all, records, unique};
+use quire_tests::{TestStack, records, unique};
 use serde_json::{Value, json};
 
 use super::{
-    RECORDS_PARTITIONS, committed_bodies, raw_request, scrape_metric, sequence_numbers, wait_until,
+    committed_bodies, committed_messages, raw_request, scrape_metric, sequence_numbers, wait_until,
 };
 
 /// A `POST .../records` of exactly `length` bytes.
@@ -359,14 +359,6 @@ async fn cuts_and_definition_changes_past_their_rate_are_429_and_publish_nothing
         .await;
     assert_eq!(status, 202);
     // Two markers of the limited stream were published, no more.
-    let markers = read_all(
-        &stack.kafka,
-        &stack.topics.records,
-        RECORDS_PARTITIONS,
-        true,
-    )
-    .into_iter()
-    .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
-    .count();
+    let markers = committed_messages(&stack, &stream).len();
     assert_eq!(markers, 2);
 }

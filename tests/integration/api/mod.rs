@@ -39,6 +39,15 @@ pub(super) const RECORDS_PARTITIONS: i32 = 12;
 /// Every committed message on the stack's records topic, as JSON, keyed by
 /// stream.
 pub(super) fn committed_bodies(stack: &TestStack, stream: &str) -> Vec<Value> {
+    committed_messages(stack, stream)
+        .into_iter()
+        .map(|message| serde_json::from_slice(&message.payload).expect("JSON message"))
+        .collect()
+}
+
+/// Every committed message of `stream` on the records topic, records and
+/// markers alike.
+pub(super) fn committed_messages(stack: &TestStack, stream: &str) -> Vec<quire_tests::Seen> {
     read_all(
         &stack.kafka,
         &stack.topics.records,
@@ -47,7 +56,6 @@ pub(super) fn committed_bodies(stack: &TestStack, stream: &str) -> Vec<Value> {
     )
     .into_iter()
     .filter(|message| message.key.as_deref() == Some(stream.as_bytes()))
-    .map(|message| serde_json::from_slice(&message.payload).expect("JSON message"))
     .collect()
 }
 
@@ -58,13 +66,21 @@ pub(super) fn sequence_numbers(bodies: &[Value]) -> Vec<u64> {
         .collect()
 }
 
-/// Runs the `quire` binary against `api`; its exit code and stdout.
+/// Runs the `quire` binary against `api`; its exit code, stdout and stderr.
 pub(super) fn quire(api: &ApiProcess, arguments: &[&str]) -> (i32, String, String) {
+    quire_at(&api.base, &[], arguments)
+}
+
+/// `quire` against the API at `base`, with extra global options first (the
+/// caller's own QUIRE_API_TOKEN and QUIRE_API_CA_CERT are not passed on).
+pub(super) fn quire_at(base: &str, options: &[&str], arguments: &[&str]) -> (i32, String, String) {
     let output = Command::new(release_binary("quire"))
         .arg("--api")
-        .arg(&api.base)
+        .arg(base)
+        .args(options)
         .args(arguments)
         .env_remove("QUIRE_API_TOKEN")
+        .env_remove("QUIRE_API_CA_CERT")
         .stdin(Stdio::null())
         .output()
         .expect("run quire");
@@ -86,6 +102,14 @@ pub(super) fn ndjson(stream: &str, count: u64) -> String {
 /// One HTTP/1.1 request written by hand (any method, as a hostile client
 /// may send), and the status line of its answer.
 pub(super) fn raw_request(port: u16, method: &str, path: &str) -> String {
+    let answer = exchange(port, method, path).unwrap_or_else(|partial| partial);
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+/// Sends `method path` over a connection of its own that asks to be closed
+/// after the answer, and reads the answer whole (`Err`: what arrived before
+/// the read failed).
+fn exchange(port: u16, method: &str, path: &str) -> Result<String, String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -96,8 +120,10 @@ pub(super) fn raw_request(port: u16, method: &str, path: &str) -> String {
     )
     .expect("request");
     let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer.lines().next().unwrap_or_default().to_owned()
+    match stream.read_to_string(&mut answer) {
+        Ok(_) => Ok(answer),
+        Err(_) => Err(answer),
+    }
 }
 
 /// The value of the unlabelled metric `name` on the API's `/metrics`, read
@@ -107,17 +133,7 @@ pub(super) fn raw_request(port: u16, method: &str, path: &str) -> String {
 /// in `quire_api_open_connections` (and in
 /// `quire_api_http_requests_in_flight`).
 pub(super) fn scrape_metric(port: u16, name: &str) -> Option<f64> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("read timeout");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .expect("metrics request");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).expect("metrics answer");
+    let answer = exchange(port, "GET", "/metrics").expect("metrics answer");
     answer
         .lines()
         .find_map(|line| line.strip_prefix(&format!("{name} ")))

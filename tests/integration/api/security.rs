@@ -1,30 +1,9 @@
 //! Tokens and their scopes, the CLI over TLS, and no secret in the log.
 
-use std::process::{Command, Stdio};
-
-use quire_tests::{TestStack, records, release_binary, unique};
+use quire_tests::{TestStack, records, unique};
 use serde_json::{Value, json};
 
-use super::committed_bodies;
-
-/// `quire` against the API at `base`, with extra global options first.
-fn quire_at(base: &str, options: &[&str], arguments: &[&str]) -> (i32, String, String) {
-    let output = Command::new(release_binary("quire"))
-        .arg("--api")
-        .arg(base)
-        .args(options)
-        .args(arguments)
-        .env_remove("QUIRE_API_TOKEN")
-        .env_remove("QUIRE_API_CA_CERT")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run quire");
-    (
-        output.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
+use super::{committed_bodies, quire_at};
 
 /// Tokens with scopes on the running API: a write-only token on one prefix
 /// publishes there and nowhere else, a read-only token reads and cannot
