@@ -21,6 +21,7 @@
 //!
 //! Everything that decides a document's content is in that log.
 
+pub mod batch;
 mod definition;
 pub mod events;
 pub mod key_template;
