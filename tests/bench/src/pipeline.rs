@@ -11,7 +11,10 @@
 //!    the records as in (1), every stream cut, until every record is in a
 //!    completed report;
 //! 4. the ceilings: plain idempotent produce (acks=all, no transactions) and
-//!    a plain consume of the same record bytes, on 12 partitions.
+//!    a plain consume of the same record bytes, on 12 partitions; and the
+//!    batch ceiling, plain produce of the same records framed as batch
+//!    messages (`quire_messages::batch`, each request's records under
+//!    `--batch-bytes`), what the API could reach once records travel so.
 //!
 //! Every scenario also gives the CPU time (user + system, from
 //! `/proc/<pid>/stat`) the producer API and the report generator spent per
@@ -58,6 +61,11 @@ pub struct PipelineArgs {
     /// Partitions of the ceiling topic (the records topic has 12).
     #[arg(long, default_value_t = 12)]
     ceiling_partitions: i32,
+    /// The byte bound of a batch message in the batch ceiling: plain
+    /// librdkafka producing each request's records framed as quire's batch
+    /// messages (`quire_messages::batch`), as few messages as this allows.
+    #[arg(long, default_value_t = 256 * 1024)]
+    batch_bytes: usize,
     /// Upper bound of each scenario, in seconds: past it the benchmark fails
     /// rather than hang.
     #[arg(long, default_value_t = 300)]
@@ -159,6 +167,9 @@ struct Workload {
     streams: Vec<String>,
     requests: Vec<Request>,
     messages: Vec<(String, Vec<u8>)>,
+    /// The same records as batch messages: each request's records, in
+    /// order, packed under `--batch-bytes`.
+    batches: Vec<(String, Vec<u8>)>,
 }
 
 fn stream_name(index: usize) -> String {
@@ -185,6 +196,7 @@ impl Workload {
         let mut next_seq = vec![0_u64; streams.len()];
         let mut requests = Vec::new();
         let mut messages = Vec::with_capacity(args.records);
+        let mut batches = Vec::new();
         let mut sent = 0;
         while sent < args.records {
             let count = args.array.min(args.records - sent);
@@ -192,6 +204,7 @@ impl Workload {
             let stream = &streams[index];
             let mut body = Vec::with_capacity(count * (args.record_bytes + 1) + 2);
             body.push(b'[');
+            let first = messages.len();
             for position in 0..count {
                 let bytes = record(stream, next_seq[index], args.record_bytes);
                 next_seq[index] += 1;
@@ -202,6 +215,10 @@ impl Workload {
                 messages.push((stream.clone(), bytes));
             }
             body.push(b']');
+            let records = messages[first..].iter().map(|(_, bytes)| bytes.as_slice());
+            for batch in quire_messages::batch::pack(records, args.batch_bytes) {
+                batches.push((stream.clone(), batch));
+            }
             requests.push(Request {
                 stream: stream.clone(),
                 body: Bytes::from(body),
@@ -212,6 +229,7 @@ impl Workload {
             streams,
             requests,
             messages,
+            batches,
         }
     }
 }
@@ -282,6 +300,24 @@ async fn one_run(
             worker_cpu: None,
         });
         eprintln!("  ceiling produce: {seconds:.3} s");
+        let batches = TestTopic::create("bench-pipeline-batches", args.ceiling_partitions).await;
+        let name = batches.name.clone();
+        let produced = Arc::clone(workload);
+        let seconds =
+            tokio::task::spawn_blocking(move || ceiling_produce(&name, &produced.batches, limit))
+                .await??;
+        rows.push(Row {
+            name: "ceiling produce, batch messages (the same records, framed)",
+            records: args.records,
+            seconds,
+            builds: Builds::Workspace,
+            api_cpu: None,
+            worker_cpu: None,
+        });
+        eprintln!(
+            "  ceiling produce, batches: {seconds:.3} s, {} messages",
+            workload.batches.len()
+        );
         let name = topic.name.clone();
         let (partitions, records) = (args.ceiling_partitions, args.records);
         let (read, seconds) =
@@ -526,6 +562,9 @@ fn report(runs: &[Vec<Row>]) {
         median_of(&|rows: &[Row]| rate("worker alone")(rows) / rate("ceiling consume")(rows));
     let e2e_over_ceiling =
         median_of(&|rows: &[Row]| rate("end to end")(rows) / rate("ceiling produce")(rows));
+    let batch_ceiling_over_ceiling = median_of(&|rows: &[Row]| {
+        rate("ceiling produce, batch")(rows) / rate("ceiling produce")(rows)
+    });
     let worker_records_per_s = median_of(&rate("worker alone"));
     let api_cpu = median_of(&|rows: &[Row]| {
         let row = &rows[find(rows, "ingest alone")];
@@ -566,7 +605,8 @@ fn report(runs: &[Vec<Row>]) {
         "pipeline runs={} e2e_records_per_s={e2e:.0} ingest_over_ceiling={ingest_over_ceiling:.2} \
          worker_over_ceiling={worker_over_ceiling:.2} api_cpu_us_per_record={api_cpu:.2} \
          worker_cpu_us_per_record={worker_cpu:.2} worker_records_per_s={worker_records_per_s:.0} \
-         e2e_over_ceiling={e2e_over_ceiling:.2}{baseline}",
+         e2e_over_ceiling={e2e_over_ceiling:.2} \
+         batch_ceiling_over_ceiling={batch_ceiling_over_ceiling:.2}{baseline}",
         runs.len()
     );
 }
