@@ -5,7 +5,7 @@
 //! return. That is what makes "every cut is decided by the log" a property
 //! the unit tests can check (`pipeline/properties.rs`).
 
-use quire_messages::records::{Incoming, StreamMessage};
+use quire_messages::records::{Incoming, RecordTexts, StreamMessage};
 use quire_messages::window::Window;
 use quire_messages::{CutMarker, Definition, Handover, PartitionMove, StreamName, Trigger};
 
@@ -55,7 +55,7 @@ pub enum Decision<'a> {
     Move(PartitionMove),
     /// A record to render and append to its stream's document (opened if
     /// none is): then [`fit`] and [`rollover`] decide where it ends.
-    Append(StreamName, &'a [u8]),
+    Append(StreamName, RecordTexts<'a>),
     /// The stream's open document ends at this marker; with nothing open,
     /// an empty report keyed by the marker.
     CutAt(StreamName, Trigger),
@@ -101,9 +101,9 @@ pub fn decide<'a>(
     match body {
         StreamMessage::Definition(_) => unreachable!("decided above"),
         StreamMessage::Handover(Ok(arrived)) => Decision::Handover(stream, arrived),
-        StreamMessage::Record(Ok(text)) => Decision::Append(stream, text),
+        StreamMessage::Records(Ok(texts)) => Decision::Append(stream, texts),
         StreamMessage::Handover(Err(reason))
-        | StreamMessage::Record(Err(reason))
+        | StreamMessage::Records(Err(reason))
         | StreamMessage::Cut(Err(reason)) => Decision::DeadLetter(reason),
         StreamMessage::Cut(Ok(CutMarker {
             window: Some(window),
@@ -279,7 +279,7 @@ mod tests {
         let message = records::record(&orders, br#"{"a":1}"#);
         assert_eq!(
             decide_message(&message, false, None),
-            Decision::Append(orders, br#"{"a":1}"#.as_slice())
+            Decision::Append(orders, RecordTexts::One(br#"{"a":1}"#.as_slice()))
         );
         assert_eq!(
             decide_message(&message, true, None),

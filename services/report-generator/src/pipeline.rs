@@ -321,8 +321,13 @@ impl<S: DocumentStore> PartitionPipeline<S> {
                 self.partition_move(context, message, marker, outbox)
                     .await?;
             }
-            Decision::Append(stream, text) => {
-                self.append(context, &stream, message, text, outbox).await?;
+            Decision::Append(stream, texts) => {
+                for text in texts {
+                    match text {
+                        Ok(text) => self.append(context, &stream, message, text, outbox).await?,
+                        Err(reason) => self.dead_letter(context, message, &reason, outbox),
+                    }
+                }
             }
             Decision::WindowMarker(stream, window) => {
                 self.window_marker(context, &stream, message, window, outbox)
@@ -725,6 +730,7 @@ impl<S: DocumentStore> PartitionPipeline<S> {
         let letter = events::dead_letter(
             message.partition,
             message.offset,
+            None,
             message.key.as_deref(),
             reason,
             message.payload.as_deref().unwrap_or_default(),

@@ -22,11 +22,13 @@ pub fn report_completed(manifest: &Manifest) -> LogMessage {
 }
 
 /// The dead letter of the records topic's message at `partition` and
-/// `offset` (its key `key`, the stream's when it has one, and its `body`),
+/// `offset`, or of its record at `index` when it is a batch (its key `key`,
+/// the stream's when it has one, and the record's or message's `body`),
 /// with the reason it cannot be used.
 pub fn dead_letter(
     partition: i32,
     offset: i64,
+    index: Option<u32>,
     key: Option<&[u8]>,
     reason: &str,
     body: &[u8],
@@ -34,9 +36,9 @@ pub fn dead_letter(
     let stream = key
         .map(|key| String::from_utf8_lossy(key).into_owned())
         .unwrap_or_default();
-    let letter = DeadLetter::new(stream, partition, offset, reason.to_owned(), body);
+    let letter = DeadLetter::new(stream, partition, offset, index, reason.to_owned(), body);
     LogMessage {
-        key: Some(DeadLetter::key(partition, offset).into_bytes()),
+        key: Some(DeadLetter::key(partition, offset, index).into_bytes()),
         headers: Vec::new(),
         payload: crate::encode(&letter),
         partition: None,
@@ -59,7 +61,7 @@ mod tests {
 
     #[test]
     fn a_dead_letter_is_keyed_by_its_position_and_reads_back() {
-        let letter = dead_letter(3, 41, Some(b"orders"), "record is not JSON", b"{");
+        let letter = dead_letter(3, 41, None, Some(b"orders"), "record is not JSON", b"{");
         assert_eq!(letter.key.as_deref(), Some(b"3:41".as_slice()));
         let read = read_dead_letter(&letter.payload).unwrap();
         assert_eq!(
@@ -71,7 +73,15 @@ mod tests {
             ),
             ("orders", 3, 41, "record is not JSON")
         );
-        let keyless = read_dead_letter(&dead_letter(3, 42, None, "no key", b"").payload).unwrap();
+        let keyless =
+            read_dead_letter(&dead_letter(3, 42, None, None, "no key", b"").payload).unwrap();
         assert_eq!(keyless.stream, "");
+        let in_batch = dead_letter(3, 43, Some(7), Some(b"orders"), "bad", b"{}");
+        assert_eq!(in_batch.key.as_deref(), Some(b"3:43:7".as_slice()));
+        let read = read_dead_letter(&in_batch.payload).unwrap();
+        assert_eq!(
+            (read.offset, read.index, read.payload.as_str()),
+            (43, Some(7), "{}")
+        );
     }
 }

@@ -58,7 +58,13 @@ pub const HEADER_VERSION: &str = "quire-v";
 /// What a message of `quire.records` is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MessageKind {
+    /// One record, its JSON text as the payload (what the API wrote before
+    /// batch messages; still read, so a log that holds both renders in
+    /// order).
     Record,
+    /// Records of one stream in order, framed ([`crate::batch`]): what the
+    /// API writes.
+    Batch,
     Cut,
     Definition,
     /// A producer's own control message, carrying no stream (no key): it
@@ -79,6 +85,7 @@ impl MessageKind {
     pub fn as_header(self) -> &'static str {
         match self {
             MessageKind::Record => "record",
+            MessageKind::Batch => "batch",
             MessageKind::Cut => "cut",
             MessageKind::Definition => "definition",
             MessageKind::Release => "release",
@@ -90,6 +97,7 @@ impl MessageKind {
     pub fn from_header(value: &[u8]) -> Option<Self> {
         match value {
             b"record" => Some(MessageKind::Record),
+            b"batch" => Some(MessageKind::Batch),
             b"cut" => Some(MessageKind::Cut),
             b"definition" => Some(MessageKind::Definition),
             b"release" => Some(MessageKind::Release),
@@ -253,6 +261,7 @@ mod tests {
     fn kinds_round_trip_through_their_header() {
         for kind in [
             MessageKind::Record,
+            MessageKind::Batch,
             MessageKind::Cut,
             MessageKind::Definition,
             MessageKind::Release,

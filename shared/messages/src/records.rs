@@ -5,7 +5,8 @@
 //!
 //! | kind | key | payload |
 //! | --- | --- | --- |
-//! | `record` | the stream | the producer's JSON object, byte for byte |
+//! | `batch` | the stream | records of the stream in order, framed ([`crate::batch`]) |
+//! | `record` | the stream | one producer's JSON object, byte for byte (written before batches; still read) |
 //! | `cut` | the stream | a [`CutMarker`] |
 //! | `definition` | the stream | a [`Definition`] |
 //! | `release` | none (records) or `quire:release` (compacted topics) | `{"v":1}` |
@@ -44,9 +45,34 @@ fn headers(kind: MessageKind) -> Vec<(String, Vec<u8>)> {
     ]
 }
 
-/// A record: its exact JSON text, keyed by its stream.
+/// A record: its exact JSON text, keyed by its stream (the format before
+/// batches, which readers still take; writers use [`batches`]).
 pub fn record(stream: &StreamName, json: &[u8]) -> LogMessage {
     control(MessageKind::Record, stream, json.to_vec())
+}
+
+/// The batch messages that carry `records` of `stream`, in order, each
+/// payload at most `max_bytes` (a record that alone passes it goes alone).
+pub fn batches<'a>(
+    stream: &StreamName,
+    records: impl IntoIterator<Item = &'a [u8]>,
+    max_bytes: usize,
+) -> Vec<LogMessage> {
+    crate::batch::pack(records, max_bytes)
+        .into_iter()
+        .map(|payload| control(MessageKind::Batch, stream, payload))
+        .collect()
+}
+
+/// How many records a message of the records topic carries: a batch's
+/// frames, 1 for a single record, 0 for anything else. Walks the frames'
+/// lengths only; a truncated batch counts what it holds.
+pub fn record_count(headers: &[(String, Vec<u8>)], payload: &[u8]) -> usize {
+    match kind_of(headers) {
+        Some(MessageKind::Batch) => crate::batch::records(payload).count(),
+        Some(MessageKind::Record) => 1,
+        _ => 0,
+    }
 }
 
 /// A message of `kind` on the stream's key, so it lands in order with the
@@ -153,11 +179,42 @@ pub enum Incoming<'a> {
     Invalid(String),
 }
 
+/// The records a message carries, in order: one (a `record` message) or a
+/// batch's.
+#[derive(Debug, Clone)]
+pub enum RecordTexts<'a> {
+    One(&'a [u8]),
+    Batch(crate::batch::Records<'a>),
+}
+
+impl<'a> Iterator for RecordTexts<'a> {
+    /// A record's JSON text, or why a batch ends early (a truncated frame).
+    type Item = Result<&'a [u8], String>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            RecordTexts::One(text) => {
+                let text = std::mem::take(text);
+                *self = RecordTexts::Batch(crate::batch::records(&[]));
+                Some(Ok(text))
+            }
+            RecordTexts::Batch(records) => records.next(),
+        }
+    }
+}
+
+impl PartialEq for RecordTexts<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.clone().eq(other.clone())
+    }
+}
+
 /// A message of a stream, its body decoded.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StreamMessage<'a> {
-    /// The producer's JSON text; `Err`: a version this release cannot read.
-    Record(Result<&'a [u8], String>),
+    /// The producer's records (a `record` or a `batch` message); `Err`: a
+    /// version this release cannot read.
+    Records(Result<RecordTexts<'a>, String>),
     Cut(Result<CutMarker, String>),
     /// A definition change, validated.
     Definition(Result<Definition, String>),
@@ -188,11 +245,16 @@ pub fn read<'a>(
     };
     let message = match kind {
         MessageKind::Release | MessageKind::Move => unreachable!("told apart above"),
-        MessageKind::Record => StreamMessage::Record(match unreadable_version(headers) {
-            // Refused by name, never misread as the version we know.
-            Some(reason) => Err(reason),
-            None => Ok(payload),
-        }),
+        MessageKind::Record | MessageKind::Batch => {
+            StreamMessage::Records(match unreadable_version(headers) {
+                // Refused by name, never misread as the version we know.
+                Some(reason) => Err(reason),
+                None if kind == MessageKind::Batch => {
+                    Ok(RecordTexts::Batch(crate::batch::records(payload)))
+                }
+                None => Ok(RecordTexts::One(payload)),
+            })
+        }
         MessageKind::Cut => StreamMessage::Cut(
             crate::decode::<CutMarker>("cut marker", payload)
                 .map_err(|error| format!("invalid cut marker: {error}")),
@@ -289,7 +351,41 @@ mod tests {
         assert_eq!(message.partition, None);
         assert_eq!(
             read_back(&message),
-            Incoming::Stream(stream, StreamMessage::Record(Ok(text.as_slice())))
+            Incoming::Stream(
+                stream,
+                StreamMessage::Records(Ok(RecordTexts::One(text.as_slice())))
+            )
+        );
+        assert_eq!(record_count(&message.headers, &message.payload), 1);
+    }
+
+    #[test]
+    fn a_batch_carries_its_records_in_order_keyed_by_their_stream() {
+        let stream = StreamName::new("orders").unwrap();
+        let texts: Vec<String> = (0..50).map(|seq| format!(r#"{{"seq":{seq}}}"#)).collect();
+        let messages = batches(&stream, texts.iter().map(|text| text.as_bytes()), 100);
+        assert!(messages.len() > 1, "the bound splits them");
+        let mut read_back_texts = Vec::new();
+        for message in &messages {
+            assert_eq!(kind_of(&message.headers), Some(MessageKind::Batch));
+            assert_eq!(message.key.as_deref(), Some(b"orders".as_slice()));
+            let Incoming::Stream(found, StreamMessage::Records(Ok(records))) = read_back(message)
+            else {
+                panic!("a batch reads back as records");
+            };
+            assert_eq!(found, stream);
+            let records: Vec<&[u8]> = records.collect::<Result<_, _>>().unwrap();
+            assert_eq!(
+                record_count(&message.headers, &message.payload),
+                records.len()
+            );
+            read_back_texts.extend(records.iter().map(|text| text.to_vec()));
+        }
+        let sent: Vec<Vec<u8>> = texts.into_iter().map(String::into_bytes).collect();
+        assert_eq!(read_back_texts, sent);
+        assert_eq!(
+            record_count(&cut(&stream, &CutMarker::explicit()).headers, b"{}"),
+            0
         );
     }
 
@@ -377,7 +473,7 @@ mod tests {
         headers.push((HEADER_KIND.to_owned(), b"record".to_vec()));
         assert!(matches!(
             read(Some(b"orders"), &headers, b"{}"),
-            Incoming::Stream(_, StreamMessage::Record(Err(_)))
+            Incoming::Stream(_, StreamMessage::Records(Err(_)))
         ));
     }
 }

@@ -174,8 +174,13 @@ pub struct DeadLetter {
     pub stream: String,
     pub partition: i32,
     pub offset: i64,
+    /// The record's place in its batch message (0, 1, ...); absent when the
+    /// whole message is the dead letter (a one-record message, or a message
+    /// nothing can be read of).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
     pub reason: String,
-    /// The message body, as UTF-8 (lossy) for a person to read; at most
+    /// The record (or the message) body, as UTF-8 (lossy) for a person to read; at most
     /// [`DeadLetter::PAYLOAD_LIMIT`] bytes of it (the record itself stays in
     /// the records topic at `partition` and `offset`).
     pub payload: String,
@@ -190,8 +195,16 @@ impl DeadLetter {
     /// limit whatever the record, so a record can never stop the stream.
     pub const PAYLOAD_LIMIT: usize = 64 * 1024;
 
-    /// The dead letter of the message at `partition` and `offset`.
-    pub fn new(stream: String, partition: i32, offset: i64, reason: String, body: &[u8]) -> Self {
+    /// The dead letter of the message at `partition` and `offset` (of its
+    /// record at `index` in a batch).
+    pub fn new(
+        stream: String,
+        partition: i32,
+        offset: i64,
+        index: Option<u32>,
+        reason: String,
+        body: &[u8],
+    ) -> Self {
         let (payload, payload_truncated_from) = if body.len() <= Self::PAYLOAD_LIMIT {
             (String::from_utf8_lossy(body).into_owned(), None)
         } else {
@@ -207,14 +220,20 @@ impl DeadLetter {
             stream,
             partition,
             offset,
+            index,
             reason,
             payload,
             payload_truncated_from,
         }
     }
 
-    pub fn key(partition: i32, offset: i64) -> String {
-        format!("{partition}:{offset}")
+    /// `{partition}:{offset}`, or `{partition}:{offset}:{index}` for a
+    /// record of a batch: one key per dead letter.
+    pub fn key(partition: i32, offset: i64, index: Option<u32>) -> String {
+        match index {
+            Some(index) => format!("{partition}:{offset}:{index}"),
+            None => format!("{partition}:{offset}"),
+        }
     }
 }
 
@@ -281,13 +300,13 @@ mod tests {
 
     #[test]
     fn a_dead_letter_carries_at_most_its_limit_of_the_body() {
-        let small = DeadLetter::new("s".into(), 1, 2, "bad".into(), b"{not json");
+        let small = DeadLetter::new("s".into(), 1, 2, None, "bad".into(), b"{not json");
         assert_eq!(small.payload, "{not json");
         assert_eq!(small.payload_truncated_from, None);
 
         // Two-byte characters, so the limit falls inside one of them.
         let body = "é".repeat(DeadLetter::PAYLOAD_LIMIT).into_bytes();
-        let large = DeadLetter::new("s".into(), 1, 2, "bad".into(), &body);
+        let large = DeadLetter::new("s".into(), 1, 2, None, "bad".into(), &body);
         assert!(large.payload.len() <= DeadLetter::PAYLOAD_LIMIT);
         assert!(
             large.payload.chars().all(|c| c == 'é'),
@@ -296,7 +315,14 @@ mod tests {
         assert_eq!(large.payload_truncated_from, Some(body.len() as u64));
         // Quotes double under JSON escaping: still far below a megabyte.
         let quotes = vec![b'"'; 900_000];
-        let encoded = crate::encode(&DeadLetter::new("s".into(), 1, 2, "bad".into(), &quotes));
+        let encoded = crate::encode(&DeadLetter::new(
+            "s".into(),
+            1,
+            2,
+            None,
+            "bad".into(),
+            &quotes,
+        ));
         assert!(encoded.len() < 200_000, "{} bytes", encoded.len());
     }
 }
