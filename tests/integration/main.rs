@@ -3,6 +3,7 @@
 
 mod api;
 mod backlog;
+mod batches;
 mod brownout;
 mod compose;
 mod dashboard;

@@ -181,7 +181,7 @@ impl Counted {
 }
 
 /// The `seq` values of a rendered document, in document order.
-fn sequence_numbers(document: &[u8]) -> Vec<u64> {
+pub(crate) fn sequence_numbers(document: &[u8]) -> Vec<u64> {
     const OPEN: &[u8] = b"<seq>";
     let mut found = Vec::new();
     let mut rest = document;

@@ -117,44 +117,61 @@ pub fn decide<'a>(
     }
 }
 
-/// Whether a rendered record fits its stream's open document.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fit {
-    /// Append it.
-    Append,
-    /// The document ends before it, at its last record (trigger `bytes`);
-    /// the record opens the next one.
-    CutBefore { last_offset: i64 },
-    /// A dead letter: it cannot be rendered, or would pass the limit even
-    /// alone in a document. `abort`: the document holds no record (it was
-    /// opened for this one) and is abandoned. A dead letter never opens a
-    /// document: a replay, which may read it when its stream has nothing
-    /// open, then decides as the first read did.
-    DeadLetter { reason: String, abort: bool },
+/// What a message's records (one, or a batch's) come to once rendered for
+/// their stream's open document: the records that rendered and their bytes.
+/// Those that could not be rendered are dead letters of their own, decided
+/// by the renderer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rendered {
+    pub records: u64,
+    pub bytes: u64,
+    /// The message is a batch (its dead letters name each record's place).
+    pub batch: bool,
 }
 
-/// Where a record whose rendering is `rendered` bytes (or why it cannot be
-/// rendered) goes, given its stream's open document: a record that would
-/// take the document past the writer's declared maximum ends the document
-/// *before* it.
-pub fn fit(document: &DocumentStats, rendered: Result<usize, String>, limits: &CutLimits) -> Fit {
-    let rendered = match rendered {
-        Ok(rendered) => rendered,
-        Err(error) => {
-            return Fit::DeadLetter {
-                reason: format!("record cannot be rendered: {error}"),
-                abort: document.last_record_offset.is_none(),
-            };
-        }
-    };
-    if document.bytes.saturating_add(rendered as u64) <= limits.record_limit {
+/// Whether a message's rendered records fit their stream's open document.
+/// They go together: a batch is one place in the log, so a document never
+/// ends inside one and keys, watermarks and commits stay offsets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fit {
+    /// Append them.
+    Append,
+    /// Nothing rendered (every record is a dead letter). `abort`: the
+    /// document holds no record (it was opened for this message) and is
+    /// abandoned. A dead letter never opens a document: a replay, which may
+    /// read it when its stream has nothing open, then decides as the first
+    /// read did.
+    Nothing { abort: bool },
+    /// The document ends before the message, at its last record (trigger
+    /// `bytes`); the message opens the next one.
+    CutBefore { last_offset: i64 },
+    /// Even alone in a document they would pass the limit: every record of
+    /// the message is a dead letter, for this reason; `abort` as above.
+    TooLarge { reason: String, abort: bool },
+}
+
+/// Where a message whose records render to `rendered` goes, given its
+/// stream's open document: records that would take the document past the
+/// writer's declared maximum end the document *before* the message.
+pub fn fit(document: &DocumentStats, rendered: Rendered, limits: &CutLimits) -> Fit {
+    let empty = document.last_record_offset.is_none();
+    if rendered.records == 0 {
+        return Fit::Nothing { abort: empty };
+    }
+    if document.bytes.saturating_add(rendered.bytes) <= limits.record_limit {
         return Fit::Append;
     }
     match document.last_record_offset {
-        // Even alone in a document it would pass the maximum.
-        None => Fit::DeadLetter {
+        // Even alone in a document they would pass the maximum.
+        None => Fit::TooLarge {
             reason: format!(
-                "record renders to {rendered} bytes, more than a report may hold ({} bytes)",
+                "{} renders to {} bytes, more than a report may hold ({} bytes)",
+                if rendered.batch {
+                    "the record's batch"
+                } else {
+                    "record"
+                },
+                rendered.bytes,
                 limits.record_limit
             ),
             abort: true,
@@ -163,9 +180,10 @@ pub fn fit(document: &DocumentStats, rendered: Result<usize, String>, limits: &C
     }
 }
 
-/// Whether the document ends *at* the record just appended: the record that
-/// brings it to `rollover_records` or `rollover_bytes` (no marker; the
-/// report's id names that record).
+/// Whether the document ends *at* the message just appended: the record (or
+/// batch) that brings it to `rollover_records` or `rollover_bytes` (no
+/// marker; the report's id names that message). A document may pass either
+/// by at most one batch.
 pub fn rollover(document: &DocumentStats, limits: &CutLimits) -> Option<Trigger> {
     if document.records >= limits.rollover_records {
         Some(Trigger::Records)
@@ -331,32 +349,46 @@ mod tests {
         assert_eq!(decide_message(&release, false, None), Decision::Released);
     }
 
+    fn rendered(records: u64, bytes: u64) -> Rendered {
+        Rendered {
+            records,
+            bytes,
+            batch: records > 1,
+        }
+    }
+
     #[test]
-    fn a_record_that_does_not_fit_ends_the_document_before_it_or_alone_is_a_dead_letter() {
-        assert_eq!(fit(&document(2, 1_500), Ok(500), &limits()), Fit::Append);
+    fn records_that_do_not_fit_end_the_document_before_them_or_alone_are_dead_letters() {
         assert_eq!(
-            fit(&document(2, 1_501), Ok(500), &limits()),
+            fit(&document(2, 1_500), rendered(1, 500), &limits()),
+            Fit::Append
+        );
+        assert_eq!(
+            fit(&document(2, 1_501), rendered(1, 500), &limits()),
+            Fit::CutBefore { last_offset: 11 }
+        );
+        // A batch goes whole: the document ends before it.
+        assert_eq!(
+            fit(&document(2, 1_000), rendered(40, 1_001), &limits()),
             Fit::CutBefore { last_offset: 11 }
         );
         assert!(matches!(
-            fit(&document(0, 100), Ok(1_901), &limits()),
-            Fit::DeadLetter { abort: true, reason } if reason.contains("1901 bytes")
+            fit(&document(0, 100), rendered(1, 1_901), &limits()),
+            Fit::TooLarge { abort: true, reason } if reason.starts_with("record renders to 1901 bytes")
+        ));
+        assert!(matches!(
+            fit(&document(0, 100), rendered(5, 1_901), &limits()),
+            Fit::TooLarge { abort: true, reason } if reason.starts_with("the record's batch renders")
         ));
         assert_eq!(
-            fit(&document(1, 100), Err("not an object".into()), &limits()),
-            Fit::DeadLetter {
-                reason: "record cannot be rendered: not an object".into(),
-                abort: false
-            }
+            fit(&document(1, 100), rendered(0, 0), &limits()),
+            Fit::Nothing { abort: false }
         );
-        // Opened for the record that cannot be rendered: abandoned, so a
-        // dead letter never begins a document.
+        // Opened for a message none of whose records renders: abandoned, so
+        // a dead letter never begins a document.
         assert_eq!(
-            fit(&document(0, 100), Err("not an object".into()), &limits()),
-            Fit::DeadLetter {
-                reason: "record cannot be rendered: not an object".into(),
-                abort: true
-            }
+            fit(&document(0, 100), rendered(0, 0), &limits()),
+            Fit::Nothing { abort: true }
         );
     }
 

@@ -250,26 +250,34 @@ impl OpenDocument {
         })
     }
 
-    /// Renders `record` into the document's scratch, nothing written yet:
-    /// its size, or why it cannot be rendered. Whether it fits is the
-    /// pipeline's decision (`decide::fit`); [`append_rendered`](Self::append_rendered)
-    /// writes it.
+    /// Renders `record` into the document's scratch after what is rendered
+    /// and not yet appended, nothing written yet: its size, or why it cannot
+    /// be rendered (then nothing of it is kept). Whether the message's
+    /// records fit is the pipeline's decision (`decide::fit`);
+    /// [`append_rendered`](Self::append_rendered) writes them.
     pub fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
         render_record(&self.renderer, &mut self.scratch, record)
     }
 
-    /// Appends the record [`render`](Self::render) rendered last, as the
-    /// record at `offset`.
+    /// Forgets what is rendered and not yet appended.
+    pub fn discard_rendered(&mut self) {
+        self.scratch.clear();
+    }
+
+    /// Appends what [`render`](Self::render) rendered since the last
+    /// append, as the `records` records of the message at `offset`.
     pub async fn append_rendered(
         &mut self,
         offset: i64,
         time_ms: Option<i64>,
+        records: u64,
     ) -> Result<(), WorkerError> {
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
+        self.scratch.clear();
         if self.records == 0 {
             self.first_record_time_ms = time_ms;
         }
-        self.records += 1;
+        self.records += records;
         self.last_record_offset = Some(offset);
         self.last_record_time_ms = time_ms;
         Ok(())
@@ -393,14 +401,29 @@ impl OpenDocument {
     }
 }
 
-/// Renders `record` into `scratch` (cleared first) with `renderer`: its
-/// size, or why it cannot be rendered.
+/// Renders `record` at the end of `scratch` with `renderer`: the bytes it
+/// added, or why it cannot be rendered (`scratch` is then as it was). Under
+/// gzip a record's compressed bytes are not known yet; its XML is an upper
+/// bound of them (deflate adds a few bytes per block at worst, which the
+/// caller's closing room covers).
 pub fn render_record(
     renderer: &DocumentRenderer,
     scratch: &mut Vec<u8>,
     record: RecordInput<'_>,
 ) -> Result<usize, RenderError> {
-    scratch.clear();
+    let start = scratch.len();
+    let rendered = render_record_at_end(renderer, scratch, record);
+    if rendered.is_err() {
+        scratch.truncate(start);
+    }
+    rendered.map(|()| scratch.len() - start)
+}
+
+fn render_record_at_end(
+    renderer: &DocumentRenderer,
+    scratch: &mut Vec<u8>,
+    record: RecordInput<'_>,
+) -> Result<(), RenderError> {
     let parsed;
     let value = match record {
         RecordInput::Rendered { fields, .. } if renderer.renders_fields_verbatim() => {
@@ -425,10 +448,7 @@ pub fn render_record(
     if let Some(value) = value {
         renderer.record(scratch, value)?;
     }
-    // Under gzip the record's compressed bytes are not known yet; its
-    // XML is an upper bound of them (deflate adds a few bytes per block
-    // at worst, which the caller's closing room covers).
-    Ok(scratch.len())
+    Ok(())
 }
 
 impl Document for OpenDocument {
@@ -453,6 +473,10 @@ impl Document for OpenDocument {
     fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
         OpenDocument::render(self, record)
     }
+
+    fn discard_rendered(&mut self) {
+        OpenDocument::discard_rendered(self);
+    }
 }
 
 /// The worker's documents: rendered XML streamed into S3 multipart uploads.
@@ -473,8 +497,9 @@ impl DocumentStore for S3Documents {
         document: &mut OpenDocument,
         offset: i64,
         time_ms: Option<i64>,
+        records: u64,
     ) -> Result<(), WorkerError> {
-        document.append_rendered(offset, time_ms).await
+        document.append_rendered(offset, time_ms, records).await
     }
 
     async fn complete(

@@ -12,7 +12,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use quire_config::TopicNames;
-use quire_messages::records::LogMessage;
+use quire_messages::records::{LogMessage, RecordTexts};
 use quire_messages::window::{CivilHour, Schedule, Window};
 use quire_messages::{
     Definition, Manifest, ReportId, StreamName, Trigger, events, layout, records, watermarks,
@@ -48,9 +48,13 @@ pub trait Document: Send {
     fn stream(&self) -> &StreamName;
     fn stats(&self) -> DocumentStats;
     fn window(&self) -> Option<&DocumentWindow>;
-    /// Renders `record` (nothing is written yet): its size, or why it
-    /// cannot be rendered. [`DocumentStore::append`] writes it.
+    /// Renders `record` after what is rendered and not yet appended
+    /// (nothing is written yet): its size, or why it cannot be rendered
+    /// (nothing of it kept). [`DocumentStore::append`] writes what is
+    /// rendered.
     fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError>;
+    /// Forgets what is rendered and not yet appended.
+    fn discard_rendered(&mut self);
 }
 
 /// A document to open: its key and its rendering are fixed from here on.
@@ -72,13 +76,14 @@ pub trait DocumentStore: Sync {
         spec: DocumentSpec,
     ) -> impl Future<Output = Result<Self::Document, WorkerError>> + Send;
 
-    /// Appends what [`Document::render`] rendered last, as the record at
-    /// `offset`.
+    /// Appends what [`Document::render`] rendered since the last append, as
+    /// the `records` records of the message at `offset`.
     fn append(
         &self,
         document: &mut Self::Document,
         offset: i64,
         time_ms: Option<i64>,
+        records: u64,
     ) -> impl Future<Output = Result<(), WorkerError>> + Send;
 
     /// Ends the document as the report `report_id` (cut at `cut_time_ms`,
@@ -311,7 +316,14 @@ impl<S: DocumentStore> PartitionPipeline<S> {
                     "stale rollover marker ignored"
                 );
             }
-            Decision::DeadLetter(reason) => self.dead_letter(context, message, &reason, outbox),
+            Decision::DeadLetter(reason) => {
+                let letter = Letter {
+                    index: None,
+                    body: payload,
+                    reason,
+                };
+                self.dead_letters(context, message, vec![letter], outbox);
+            }
             Decision::Define(stream, definition) => {
                 self.state
                     .change_definition(&stream, message.offset, definition);
@@ -322,12 +334,8 @@ impl<S: DocumentStore> PartitionPipeline<S> {
                     .await?;
             }
             Decision::Append(stream, texts) => {
-                for text in texts {
-                    match text {
-                        Ok(text) => self.append(context, &stream, message, text, outbox).await?,
-                        Err(reason) => self.dead_letter(context, message, &reason, outbox),
-                    }
-                }
+                self.append(context, &stream, message, texts, outbox)
+                    .await?;
             }
             Decision::WindowMarker(stream, window) => {
                 self.window_marker(context, &stream, message, window, outbox)
@@ -356,58 +364,24 @@ impl<S: DocumentStore> PartitionPipeline<S> {
         Ok(())
     }
 
-    /// A record: nearly every one renders straight from its text; the rest
-    /// are parsed first, which renders them or says why not.
+    /// A message's records (one, or a batch's), rendered into their stream's
+    /// document (opened if none is) and appended together where
+    /// [`decide::fit`] and [`decide::rollover`] say: they depend only on the
+    /// log's content, so a replay cuts at the same messages, and a document
+    /// never ends inside a batch. A document whose marker (age, memory,
+    /// drain) is still in flight obeys the same limits; the marker then
+    /// names a document that is no longer open and is ignored. Records that
+    /// cannot be rendered are dead letters, each named by its place.
     async fn append(
         &mut self,
         context: &Context<S>,
         stream: &StreamName,
         message: &InMessage,
-        text: &[u8],
+        texts: RecordTexts<'_>,
         outbox: &mut Outbox,
     ) -> Result<(), WorkerError> {
         let mut fields = std::mem::take(&mut self.fields);
-        fields.clear();
-        let appended = if quire_xml::render_fields(&mut fields, text) {
-            let record = RecordInput::Rendered {
-                text,
-                fields: &fields,
-            };
-            self.append_record(context, stream, message, record, outbox)
-                .await
-        } else {
-            match serde_json::from_slice::<serde_json::Value>(text) {
-                Ok(record) => {
-                    let record = RecordInput::Parsed(&record);
-                    self.append_record(context, stream, message, record, outbox)
-                        .await
-                }
-                Err(error) => {
-                    let reason = format!("record is not JSON: {error}");
-                    self.dead_letter(context, message, &reason, outbox);
-                    Ok(())
-                }
-            }
-        };
-        self.fields = fields;
-        appended
-    }
-
-    /// Appends a record to its stream's document (opening one if none is
-    /// open), where [`decide::fit`] and [`decide::rollover`] say: they
-    /// depend only on the log's content, so a replay cuts at the same
-    /// records. A document whose marker (age, memory, drain) is still in
-    /// flight obeys the same limits; the marker then names a document that
-    /// is no longer open and is ignored.
-    async fn append_record(
-        &mut self,
-        context: &Context<S>,
-        stream: &StreamName,
-        message: &InMessage,
-        record: RecordInput<'_>,
-        outbox: &mut Outbox,
-    ) -> Result<(), WorkerError> {
-        loop {
+        let letters = loop {
             if !self.open.by_stream.contains_key(stream) {
                 let document = self
                     .open_document(context, stream, message.offset, message.timestamp_ms)
@@ -415,35 +389,52 @@ impl<S: DocumentStore> PartitionPipeline<S> {
                 self.open.insert(document);
             }
             let document = self.open.by_stream.get_mut(stream).expect("opened above");
-            let rendered = document.render(record).map_err(|error| error.to_string());
+            let (rendered, letters) = render_all(document, texts.clone(), &mut fields);
             // Decided before any await: nothing borrowed from the document
             // is held across one.
-            let fit = decide::fit(&document.stats(), rendered, &context.limits);
-            match fit {
+            match decide::fit(&document.stats(), rendered, &context.limits) {
                 Fit::Append => {
                     context
                         .store
-                        .append(document, message.offset, message.timestamp_ms)
+                        .append(
+                            document,
+                            message.offset,
+                            message.timestamp_ms,
+                            rendered.records,
+                        )
                         .await?;
-                    break;
+                    outbox.records += rendered.records;
+                    break letters;
                 }
-                Fit::DeadLetter { reason, abort } => {
+                Fit::Nothing { abort } => {
                     if abort && let Some(document) = self.open.remove(stream) {
                         context.store.abort(document).await;
                     }
-                    self.dead_letter(context, message, &reason, outbox);
-                    return Ok(());
+                    break letters;
+                }
+                Fit::TooLarge { reason, abort } => {
+                    document.discard_rendered();
+                    if abort && let Some(document) = self.open.remove(stream) {
+                        context.store.abort(document).await;
+                    }
+                    break every_record_a_letter(&texts, &reason);
                 }
                 Fit::CutBefore { last_offset } => {
+                    document.discard_rendered();
                     let document = self.open.remove(stream).expect("open");
                     self.complete_inline(context, document, last_offset, Trigger::Bytes, outbox)
                         .await?;
                 }
             }
-        }
-        outbox.records += 1;
-        let stats = self.open.by_stream[stream].stats();
-        if let Some(trigger) = decide::rollover(&stats, &context.limits) {
+        };
+        self.fields = fields;
+        self.dead_letters(context, message, letters, outbox);
+        let rollover = self
+            .open
+            .by_stream
+            .get(stream)
+            .and_then(|document| decide::rollover(&document.stats(), &context.limits));
+        if let Some(trigger) = rollover {
             let document = self.open.remove(stream).expect("open");
             self.complete_inline(context, document, message.offset, trigger, outbox)
                 .await?;
@@ -702,17 +693,22 @@ impl<S: DocumentStore> PartitionPipeline<S> {
         .await
     }
 
-    /// Publishes, in this array's transaction, the dead letter of a message
-    /// that cannot be rendered, unless an earlier read of the partition
-    /// published it already (the partition's dead-letter mark covers it):
-    /// one dead letter per (partition, offset), whatever the restarts.
-    fn dead_letter(
+    /// Publishes, in this array's transaction, the dead letters of a message
+    /// (the message itself, or records of it that cannot be rendered),
+    /// unless an earlier read of the partition published them already (the
+    /// partition's dead-letter mark covers the message): one dead letter per
+    /// (partition, offset, place in the batch), whatever the restarts. A
+    /// message's letters all go in one array.
+    fn dead_letters(
         &mut self,
         context: &Context<S>,
         message: &InMessage,
-        reason: &str,
+        letters: Vec<Letter<'_>>,
         outbox: &mut Outbox,
     ) {
+        if letters.is_empty() {
+            return;
+        }
         if self.state.dead_letters.covers(message.offset) {
             tracing::debug!(
                 partition = message.partition,
@@ -721,26 +717,108 @@ impl<S: DocumentStore> PartitionPipeline<S> {
             );
             return;
         }
-        tracing::warn!(
-            partition = message.partition,
-            offset = message.offset,
-            reason,
-            "record sent to the dead-letter topic"
-        );
-        let letter = events::dead_letter(
-            message.partition,
-            message.offset,
-            None,
-            message.key.as_deref(),
-            reason,
-            message.payload.as_deref().unwrap_or_default(),
-        );
-        outbox
-            .messages
-            .push(on_topic(&context.topics.dead_letters, letter));
-        outbox.dead_letters += 1;
+        for letter in letters {
+            tracing::warn!(
+                partition = message.partition,
+                offset = message.offset,
+                index = letter.index,
+                reason = letter.reason,
+                "record sent to the dead-letter topic"
+            );
+            let published = events::dead_letter(
+                message.partition,
+                message.offset,
+                letter.index,
+                message.key.as_deref(),
+                &letter.reason,
+                letter.body,
+            );
+            outbox
+                .messages
+                .push(on_topic(&context.topics.dead_letters, published));
+            outbox.dead_letters += 1;
+        }
         self.state.dead_letters.published(message.offset);
     }
+}
+
+/// A dead letter to publish: the record's place in its batch (`None`: the
+/// whole message), its body and why.
+struct Letter<'a> {
+    index: Option<u32>,
+    body: &'a [u8],
+    reason: String,
+}
+
+/// Renders a message's records into `document` (see [`Document::render`]):
+/// what rendered, and a dead letter for each record that did not. Nearly
+/// every record renders straight from its text; the rest are parsed first,
+/// which renders them or says why not.
+fn render_all<'a, D: Document>(
+    document: &mut D,
+    texts: RecordTexts<'a>,
+    fields: &mut Vec<u8>,
+) -> (decide::Rendered, Vec<Letter<'a>>) {
+    let batch = matches!(texts, RecordTexts::Batch(_));
+    let place = |index: usize| batch.then(|| u32::try_from(index).unwrap_or(u32::MAX));
+    let mut rendered = decide::Rendered {
+        records: 0,
+        bytes: 0,
+        batch,
+    };
+    let mut letters = Vec::new();
+    for (index, text) in texts.enumerate() {
+        let text = match text {
+            Ok(text) => text,
+            Err(reason) => {
+                letters.push(Letter {
+                    index: place(index),
+                    body: &[],
+                    reason: format!("batch message is truncated: {reason}"),
+                });
+                break;
+            }
+        };
+        fields.clear();
+        let result = if quire_xml::render_fields(fields, text) {
+            document
+                .render(RecordInput::Rendered { text, fields })
+                .map_err(|error| format!("record cannot be rendered: {error}"))
+        } else {
+            match serde_json::from_slice::<serde_json::Value>(text) {
+                Ok(record) => document
+                    .render(RecordInput::Parsed(&record))
+                    .map_err(|error| format!("record cannot be rendered: {error}")),
+                Err(error) => Err(format!("record is not JSON: {error}")),
+            }
+        };
+        match result {
+            Ok(bytes) => {
+                rendered.records += 1;
+                rendered.bytes += bytes as u64;
+            }
+            Err(reason) => letters.push(Letter {
+                index: place(index),
+                body: text,
+                reason,
+            }),
+        }
+    }
+    (rendered, letters)
+}
+
+/// Every record of a message as a dead letter, for `reason`.
+fn every_record_a_letter<'a>(texts: &RecordTexts<'a>, reason: &str) -> Vec<Letter<'a>> {
+    let batch = matches!(texts, RecordTexts::Batch(_));
+    texts
+        .clone()
+        .enumerate()
+        .map(|(index, text)| Letter {
+            index: batch.then(|| u32::try_from(index).unwrap_or(u32::MAX)),
+            body: text.unwrap_or_default(),
+            reason: reason.to_owned(),
+        })
+        .collect()
 }
 
 /// A document of `window` under `schedule` that follows `documents` of it:

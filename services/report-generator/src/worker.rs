@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use quire_config::WorkerSettings;
-use quire_queue::{Array, ArrayConsumer, QueueError, TransactionalProducer};
+use quire_messages::records;
+use quire_queue::{Array, ArrayBounds, ArrayConsumer, QueueError, TransactionalProducer};
 use tokio_util::sync::CancellationToken;
 
 use crate::WorkerError;
@@ -114,7 +115,7 @@ impl Worker {
             self.apply_topic_changes().await?;
             let array = self
                 .consumer
-                .next_array(settings.max_records.get(), max_wait)
+                .next_array_within(array_bounds(&settings, max_wait))
                 .await?;
             self.monitor.metrics.array_read(array.len(), array.waited);
             // S3 work slowed down can outlast max.poll.interval.ms: polled
@@ -327,5 +328,23 @@ fn failpoint_before_commit() {
             );
         }
         _ => {}
+    }
+}
+
+/// What ends an array: `max_records` records (a batch message counts its
+/// records), a quarter of the memory budget in payload bytes (the array is
+/// held whole while its documents, which the budget bounds, are written), or
+/// `max_wait`.
+fn array_bounds(settings: &WorkerSettings, max_wait: Duration) -> ArrayBounds {
+    ArrayBounds {
+        records: settings.max_records.get(),
+        bytes: usize::try_from(settings.memory_budget_bytes / 4).unwrap_or(usize::MAX),
+        wait: max_wait,
+        weigh: |message| {
+            records::record_count(
+                &message.headers,
+                message.payload.as_deref().unwrap_or_default(),
+            )
+        },
     }
 }

@@ -300,12 +300,22 @@ impl ArrayConsumer {
     /// Returns as soon as `max` messages are held, or when `max_wait` has
     /// passed (possibly with none), across all assigned partitions.
     pub async fn next_array(&self, max: usize, max_wait: Duration) -> Result<Array, QueueError> {
+        self.next_array_within(ArrayBounds::messages(max, max_wait))
+            .await
+    }
+
+    /// Returns as soon as the messages held reach `bounds` (in records, as
+    /// `bounds.weigh` counts them, or in payload bytes), or when its wait
+    /// has passed (possibly with none), across all assigned partitions. The
+    /// message that reaches a bound is kept: an array passes it by at most
+    /// one message.
+    pub async fn next_array_within(&self, bounds: ArrayBounds) -> Result<Array, QueueError> {
         let consumer = Arc::clone(&self.consumer);
         let poll_lock = Arc::clone(&self.poll_lock);
         let topic: Arc<str> = Arc::from(self.topic.as_str());
         tokio::task::spawn_blocking(move || {
             let _polling = poll_lock.lock().expect("poll lock");
-            read_array(&consumer, &topic, max, max_wait)
+            read_array(&consumer, &topic, bounds)
         })
         .await?
     }
@@ -492,16 +502,49 @@ impl ArrayConsumer {
     }
 }
 
+/// What ends an array (see [`ArrayConsumer::next_array_within`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ArrayBounds {
+    /// Records held, each message weighing what `weigh` says.
+    pub records: usize,
+    /// Bytes of payload held.
+    pub bytes: usize,
+    pub wait: Duration,
+    /// How many records a message carries (a batch message, many).
+    pub weigh: fn(&InMessage) -> usize,
+}
+
+impl ArrayBounds {
+    /// At most `max` messages, each one record, bytes unbounded.
+    pub fn messages(max: usize, wait: Duration) -> Self {
+        ArrayBounds {
+            records: max,
+            bytes: usize::MAX,
+            wait,
+            weigh: |_| 1,
+        }
+    }
+}
+
+/// The records and payload bytes `messages` hold.
+fn held(messages: &[InMessage], weigh: fn(&InMessage) -> usize) -> (usize, usize) {
+    messages.iter().fold((0, 0), |(records, bytes), message| {
+        (
+            records + weigh(message),
+            bytes + message.payload.as_ref().map_or(0, Vec::len),
+        )
+    })
+}
+
 /// The polling loop behind `next_array`; runs on a blocking thread.
 fn read_array(
     consumer: &BaseConsumer<QueueContext>,
     topic: &Arc<str>,
-    max: usize,
-    max_wait: Duration,
+    bounds: ArrayBounds,
 ) -> Result<Array, QueueError> {
     let started = Instant::now();
-    let deadline = started + max_wait;
-    let mut messages: Vec<InMessage> = Vec::with_capacity(max.min(65_536));
+    let deadline = started + bounds.wait;
+    let mut messages: Vec<InMessage> = Vec::with_capacity(bounds.records.min(65_536));
     let mut rebalances = Vec::new();
     // What a keep-alive left: its deferred callbacks, then what it held.
     consumer.context().apply_deferred(consumer);
@@ -513,8 +556,9 @@ fn read_array(
         messages.append(&mut state.held);
     }
     take_rebalance_events(consumer, &mut messages, &mut rebalances)?;
+    let (mut records, mut bytes) = held(&messages, bounds.weigh);
     let end = loop {
-        if messages.len() >= max {
+        if records >= bounds.records || bytes >= bounds.bytes {
             break ArrayEnd::Full;
         }
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -522,7 +566,12 @@ fn read_array(
             break ArrayEnd::Timeout;
         }
         let polled = consumer.poll(remaining);
+        let before = messages.len();
         take_rebalance_events(consumer, &mut messages, &mut rebalances)?;
+        if messages.len() != before {
+            // A revocation dropped messages: count again (rare).
+            (records, bytes) = held(&messages, bounds.weigh);
+        }
         match polled {
             None => {}
             Some(Ok(message)) => {
@@ -531,7 +580,10 @@ fn read_array(
                     .lock()
                     .at_end
                     .remove(&message.partition());
-                messages.push(owned(topic, &message));
+                let message = owned(topic, &message);
+                records += (bounds.weigh)(&message);
+                bytes += message.payload.as_ref().map_or(0, Vec::len);
+                messages.push(message);
             }
             Some(Err(KafkaError::PartitionEOF(partition))) => {
                 consumer.context().lock().at_end.insert(partition);

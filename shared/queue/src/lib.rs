@@ -40,8 +40,8 @@ pub use admin::{
 };
 pub use client::PROTECTED_PROPERTIES;
 pub use consumer::{
-    Array, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit, DrainSummary,
-    TransactionOutcome,
+    Array, ArrayBounds, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit,
+    DrainSummary, TransactionOutcome,
 };
 pub use context::{PartitionProgress, RebalanceEvent};
 pub use describe::{TopicIdentity, describe_topic, describe_topic_blocking, partition_for_key};

@@ -69,6 +69,10 @@ impl Document for ModelDocument {
     fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
         render_record(&self.renderer, &mut self.scratch, record)
     }
+
+    fn discard_rendered(&mut self) {
+        self.scratch.clear();
+    }
 }
 
 struct ModelStore;
@@ -102,12 +106,14 @@ impl DocumentStore for ModelStore {
         document: &mut ModelDocument,
         offset: i64,
         time_ms: Option<i64>,
+        records: u64,
     ) -> Result<(), WorkerError> {
         document.xml.extend_from_slice(&document.scratch);
+        document.scratch.clear();
         if document.records == 0 {
             document.first_record_time_ms = time_ms;
         }
-        document.records += 1;
+        document.records += records;
         document.last_record_offset = Some(offset);
         document.last_record_time_ms = time_ms;
         Ok(())
@@ -194,6 +200,12 @@ fn context(limits: CutLimits) -> Context<ModelStore> {
 enum Entry {
     /// A record of stream `stream` with a field of `size` characters.
     Record { stream: u8, size: usize },
+    /// A batch message of stream `stream`: records with fields of these
+    /// sizes, `None` for one that cannot be rendered (JSON, not an object).
+    Batch {
+        stream: u8,
+        sizes: Vec<Option<usize>>,
+    },
     /// JSON, but not an object: it cannot be rendered.
     Array { stream: u8 },
     /// Not JSON.
@@ -212,6 +224,8 @@ fn entry() -> impl Strategy<Value = Entry> {
     let stream = 0u8..3;
     prop_oneof![
         12 => (stream.clone(), 0usize..700).prop_map(|(stream, size)| Entry::Record { stream, size }),
+        6 => (stream.clone(), proptest::collection::vec(prop_oneof![9 => (0usize..300).prop_map(Some), 1 => Just(None)], 1..6))
+            .prop_map(|(stream, sizes)| Entry::Batch { stream, sizes }),
         1 => stream.clone().prop_map(|stream| Entry::Array { stream }),
         1 => stream.clone().prop_map(|stream| Entry::NotJson { stream }),
         1 => stream.clone().prop_map(|stream| Entry::Newer { stream }),
@@ -235,6 +249,25 @@ fn messages(entries: &[Entry]) -> Vec<InMessage> {
                     stream,
                     format!(r#"{{"n":{offset},"text":"{}"}}"#, "x".repeat(*size)),
                 ),
+                Entry::Batch { stream, sizes } => {
+                    let texts: Vec<String> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(index, size)| match size {
+                            Some(size) => format!(
+                                r#"{{"n":{offset},"i":{index},"text":"{}"}}"#,
+                                "y".repeat(*size)
+                            ),
+                            None => "[3]".into(),
+                        })
+                        .collect();
+                    let mut batches = records::batches(
+                        &name(stream),
+                        texts.iter().map(String::as_bytes),
+                        usize::MAX,
+                    );
+                    batches.remove(0)
+                }
                 Entry::Array { stream } => record(stream, "[1,2]".into()),
                 Entry::NotJson { stream } => record(stream, "{".into()),
                 Entry::Newer { stream } => {
@@ -290,8 +323,8 @@ fn messages(entries: &[Entry]) -> Vec<InMessage> {
 struct Committed {
     /// Each report: its id, boundaries, records, trigger and content hash.
     reports: Vec<(String, i64, i64, u64, Trigger, String)>,
-    /// Each dead letter: its offset and reason.
-    dead_letters: Vec<(i64, String)>,
+    /// Each dead letter: its offset, place in its batch and reason.
+    dead_letters: Vec<(i64, Option<u32>, String)>,
     /// The watermark topic (partition 0), as a new owner reads it.
     watermarks: Vec<InMessage>,
     /// The committed offset.
@@ -345,7 +378,9 @@ fn run(
                 ));
             } else if &*message.topic == TOPICS[3] {
                 let letter = events::read_dead_letter(payload).unwrap();
-                committed.dead_letters.push((letter.offset, letter.reason));
+                committed
+                    .dead_letters
+                    .push((letter.offset, letter.index, letter.reason));
             }
         }
         for message in point.watermarks {

@@ -30,10 +30,14 @@ use crate::topics::{TopicChange, TopicWatch};
 const SHUTDOWN_STEP_LIMIT: Duration = Duration::from_secs(30);
 
 /// Room above `rollover_bytes` in a document's declared maximum for the one
-/// record that reaches the rollover. A record renders to a few times its
-/// JSON at most (escapes, encoded names), and the API bounds records at
-/// `api.max_record_bytes` (900,000 by default).
-const ONE_RECORD_ROOM: u64 = 16 * 1024 * 1024;
+/// message (a record, or a batch of them: a document never ends inside a
+/// batch) that reaches the rollover. A record renders to a few times its
+/// JSON (escapes, names repeated for each element of an array), and the API
+/// bounds batches at `api.batch_max_bytes` (at most 4 MiB, 256 KiB by
+/// default) and records at `api.max_record_bytes`. The room costs nothing
+/// below the largest objects: it only sizes the parts of a document whose
+/// declared maximum passes 10,000 minimum parts (about 48 GiB).
+const ONE_BATCH_ROOM: u64 = 64 * 1024 * 1024;
 
 /// Room kept for what ends a document after its last record: the closing
 /// summary element, and under gzip what the compressor still holds and its
@@ -135,13 +139,13 @@ impl Worker {
         options.max_poll_interval = Some(worker.max_poll_interval);
         let consumer = ArrayConsumer::new(&settings.kafka, &options)?;
         // Count and byte rollovers are decided inline, so a document ends at
-        // the record that reaches rollover_bytes: the declared maximum is
-        // that plus room for one record; a record that would not fit ends
-        // the document before it (see `decide::fit`).
+        // the message that reaches rollover_bytes: the declared maximum is
+        // that plus room for one batch; a batch that would not fit ends the
+        // document before it (see `decide::fit`).
         let declared_maximum = worker
             .rollover_bytes
             .get()
-            .saturating_add(ONE_RECORD_ROOM)
+            .saturating_add(ONE_BATCH_ROOM)
             .min(quire_s3::MAXIMUM_OBJECT_SIZE);
         let record_limit = declared_maximum.saturating_sub(CLOSING_ROOM);
         let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
