@@ -1,7 +1,7 @@
-//! Batch messages (issue 29, first step: the format alone, not yet written
-//! by the API nor read by the worker): the records of one request for one
-//! stream, in order, packed into as few records-topic messages as a byte
-//! bound allows.
+//! Batch messages: the records of one request for one stream, in order,
+//! packed into as few records-topic messages as a byte bound allows (the
+//! API writes them, `quire-kind: batch`; the worker reads them through
+//! `records::read`).
 //!
 //! The payload is a walk of frames, each a record's length (4 bytes, big
 //! endian) and its JSON text byte for byte, so a reader finds every record
