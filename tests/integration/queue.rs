@@ -5,8 +5,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use quire_queue::{
-    ArrayConsumer, ArrayEnqueuer, ConsumerOptions, DrainExit, GroupCommitLimits, MessageId,
-    OutMessage, ProducerOptions, QueueError, RebalanceEvent, Release, TransactionalProducer,
+    ArrayBounds, ArrayConsumer, ArrayEnqueuer, ConsumerOptions, DrainExit, GroupCommitLimits,
+    MessageId, OutMessage, ProducerOptions, QueueError, RebalanceEvent, Release,
+    TransactionalProducer,
 };
 use quire_tests::{
     TestTopic, committed_offsets, delete_records_before, kafka_settings, payloads, read_all, unique,
@@ -251,6 +252,73 @@ async fn next_array_never_exceeds_max_and_idles_for_max_wait() {
             "idle wait returned after {took:?} > {max_wait:?} + 1 s"
         );
     }
+}
+
+/// Batch messages of 40 records each (on one partition, so they arrive in
+/// order) weigh their records: an array of at most 100 records ends at the
+/// message that reaches 100 (three batches, 120 records), and a byte bound
+/// ends it the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn next_array_within_counts_the_records_a_batch_message_carries() {
+    let topic = TestTopic::create("bounds-records", 1).await;
+    let stream = quire_messages::StreamName::new("orders").unwrap();
+    let texts: Vec<String> = (0..40).map(|seq| format!(r#"{{"seq":{seq}}}"#)).collect();
+    let batches: Vec<OutMessage> = (0..10)
+        .map(|_| {
+            let message = quire_messages::records::batches(
+                &stream,
+                texts.iter().map(String::as_bytes),
+                usize::MAX,
+            )
+            .remove(0);
+            OutMessage::from_parts(
+                &topic.name,
+                message.key,
+                message.payload,
+                message.headers,
+                None,
+            )
+        })
+        .collect();
+    let batch_bytes = batches[0].payload.len();
+    producer().await.transact(batches).await.unwrap();
+    let consumer = consumer(&topic, &unique("bounds-records"));
+    let weigh: fn(&quire_queue::InMessage) -> usize = |message| {
+        quire_messages::records::record_count(
+            &message.headers,
+            message.payload.as_deref().unwrap_or_default(),
+        )
+    };
+    let bounds = |records: usize, bytes: usize| ArrayBounds {
+        records,
+        bytes,
+        wait: Duration::from_secs(5),
+        weigh,
+    };
+    // The group assigns the partition first: wait through empty arrays.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let first = loop {
+        let array = consumer
+            .next_array_within(bounds(100, usize::MAX))
+            .await
+            .unwrap();
+        if !array.is_empty() {
+            break array;
+        }
+        assert!(Instant::now() < deadline, "no message within 60 s");
+    };
+    assert_eq!(first.len(), 3, "3 batches reach 100 records (120)");
+    let by_bytes = consumer
+        .next_array_within(bounds(usize::MAX, batch_bytes * 2))
+        .await
+        .unwrap();
+    assert_eq!(by_bytes.len(), 2, "2 batches reach twice a batch's bytes");
+    let rest = consumer
+        .next_array_within(bounds(1_000, usize::MAX))
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 5, "what is left, within 1,000 records");
+    assert!(rest.waited >= Duration::from_secs(5), "it waited for more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,6 +83,14 @@ pub struct PipelineArgs {
     /// The same for the report generator.
     #[arg(long)]
     baseline_worker: Option<PathBuf>,
+    /// The producer API's `compression.type` (none, lz4, zstd, gzip,
+    /// snappy), for both builds; its own default when absent.
+    #[arg(long)]
+    compression: Option<String>,
+    /// The local stack's Kafka log directory: the bytes the records topic
+    /// takes on the broker's disk after "ingest alone" are read there.
+    #[arg(long, default_value = ".stack/run/kafka/data")]
+    kafka_data_dir: PathBuf,
 }
 
 /// Which builds of the services a scenario runs.
@@ -104,6 +112,38 @@ struct Row {
     api_cpu: Option<Duration>,
     /// CPU time of the report generator during the scenario, if it ran.
     worker_cpu: Option<Duration>,
+    /// Bytes the records topic takes on the broker's disk afterwards.
+    disk_bytes: Option<u64>,
+}
+
+/// Bytes of the log segments of `topic` under Kafka's log directory
+/// `data_dir` (every partition's `{topic}-{n}` directory).
+fn topic_disk_bytes(data_dir: &std::path::Path, topic: &str) -> anyhow::Result<u64> {
+    let mut bytes = 0;
+    let prefix = format!("{topic}-");
+    for entry in std::fs::read_dir(data_dir)
+        .with_context(|| format!("reading Kafka's log directory {}", data_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(partition) = name.to_str().and_then(|name| name.strip_prefix(&prefix)) else {
+            continue;
+        };
+        if partition.parse::<u32>().is_err() {
+            continue;
+        }
+        for segment in std::fs::read_dir(entry.path())? {
+            let segment = segment?;
+            if segment
+                .path()
+                .extension()
+                .is_some_and(|extension| extension == "log")
+            {
+                bytes += segment.metadata()?.len();
+            }
+        }
+    }
+    Ok(bytes)
 }
 
 /// CPU time (user + system) process `pid` has used so far, from
@@ -298,6 +338,7 @@ async fn one_run(
             builds: Builds::Workspace,
             api_cpu: None,
             worker_cpu: None,
+            disk_bytes: None,
         });
         eprintln!("  ceiling produce: {seconds:.3} s");
         let batches = TestTopic::create("bench-pipeline-batches", args.ceiling_partitions).await;
@@ -313,6 +354,7 @@ async fn one_run(
             builds: Builds::Workspace,
             api_cpu: None,
             worker_cpu: None,
+            disk_bytes: None,
         });
         eprintln!(
             "  ceiling produce, batches: {seconds:.3} s, {} messages",
@@ -334,6 +376,7 @@ async fn one_run(
             builds: Builds::Workspace,
             api_cpu: None,
             worker_cpu: None,
+            disk_bytes: None,
         });
         eprintln!("  ceiling consume: {seconds:.3} s");
     }
@@ -376,10 +419,11 @@ async fn scenarios(
     // 1 and 2: ingest alone, then the worker alone on what ingest queued.
     {
         let stack = TestStack::create("bench-pipeline").await;
-        let api = start_api(&stack, limit, api_binary, args.streams).await?;
+        let api = start_api(&stack, limit, api_binary, args).await?;
         let api_before = cpu_time(api.pid)?;
         let seconds = ingest(&api.client, workload, args.connections, limit).await?;
         let api_cpu = cpu_time(api.pid)? - api_before;
+        let disk_bytes = topic_disk_bytes(&args.kafka_data_dir, &stack.topics.records)?;
         rows.push(Row {
             name: "ingest alone (HTTP -> API -> Kafka, no worker)",
             records: args.records,
@@ -387,6 +431,7 @@ async fn scenarios(
             builds,
             api_cpu: Some(api_cpu),
             worker_cpu: None,
+            disk_bytes: Some(disk_bytes),
         });
         eprintln!("  ingest alone: {seconds:.3} s");
         for stream in &workload.streams {
@@ -417,6 +462,7 @@ async fn scenarios(
             api_cpu: None,
             // Its whole life, start-up and take-over included.
             worker_cpu: Some(worker.cpu),
+            disk_bytes: None,
         });
         eprintln!(
             "  worker alone: {seconds:.3} s, {} reports",
@@ -427,7 +473,7 @@ async fn scenarios(
     // 3: end to end on a fresh stack, a worker already serving.
     {
         let stack = TestStack::create("bench-pipeline-e2e").await;
-        let api = start_api(&stack, limit, api_binary, args.streams).await?;
+        let api = start_api(&stack, limit, api_binary, args).await?;
         let spawned = Instant::now();
         let mut worker = spawn_worker(&stack, "bench-serve", false, worker_binary)?;
         wait_for_member(&stack.group, &mut worker, limit).await?;
@@ -503,6 +549,7 @@ async fn scenarios(
             builds,
             api_cpu: Some(api_cpu),
             worker_cpu: Some(worker_cpu),
+            disk_bytes: None,
         });
         eprintln!(
             "  end to end: {seconds:.3} s (ingest part {ingested:.3} s), {} reports",
@@ -525,8 +572,15 @@ fn report(runs: &[Vec<Row>]) {
             .unwrap_or_else(|| "-".to_owned())
     };
     println!(
-        "{:<4} {:<70} {:>9} {:>8} {:>10} {:>12} {:>12}",
-        "run", "scenario", "records", "seconds", "records/s", "api cpu-us/r", "wkr cpu-us/r"
+        "{:<4} {:<70} {:>9} {:>8} {:>10} {:>12} {:>12} {:>10}",
+        "run",
+        "scenario",
+        "records",
+        "seconds",
+        "records/s",
+        "api cpu-us/r",
+        "wkr cpu-us/r",
+        "disk B/r"
     );
     for (index, rows) in runs.iter().enumerate() {
         for row in rows {
@@ -535,7 +589,7 @@ fn report(runs: &[Vec<Row>]) {
                 Builds::Baseline => format!("{} [baseline]", row.name),
             };
             println!(
-                "{:<4} {:<70} {:>9} {:>8.3} {:>10.0} {:>12} {:>12}",
+                "{:<4} {:<70} {:>9} {:>8.3} {:>10.0} {:>12} {:>12} {:>10}",
                 index + 1,
                 name,
                 row.records,
@@ -543,6 +597,9 @@ fn report(runs: &[Vec<Row>]) {
                 row.rate(),
                 cpu(row.api_cpu, row.records),
                 cpu(row.worker_cpu, row.records),
+                row.disk_bytes
+                    .map(|bytes| format!("{:.1}", bytes as f64 / row.records as f64))
+                    .unwrap_or_else(|| "-".to_owned()),
             );
         }
     }
@@ -566,6 +623,10 @@ fn report(runs: &[Vec<Row>]) {
         rate("ceiling produce, batch")(rows) / rate("ceiling produce")(rows)
     });
     let worker_records_per_s = median_of(&rate("worker alone"));
+    let disk_per_record = median_of(&|rows: &[Row]| {
+        let row = &rows[find(rows, "ingest alone")];
+        row.disk_bytes.unwrap_or_default() as f64 / row.records as f64
+    });
     let api_cpu = median_of(&|rows: &[Row]| {
         let row = &rows[find(rows, "ingest alone")];
         per_record(row.api_cpu.unwrap_or_default(), row.records)
@@ -593,19 +654,30 @@ fn report(runs: &[Vec<Row>]) {
             median_of(&|rows: &[Row]| cpu_of(rows, "ingest alone", Builds::Baseline, true));
         let baseline_worker =
             median_of(&|rows: &[Row]| cpu_of(rows, "worker alone", Builds::Baseline, false));
+        let rate_over = |prefix: &'static str| {
+            median_of(&|rows: &[Row]| {
+                rows[find_in(rows, prefix, Builds::Workspace)].rate()
+                    / rows[find_in(rows, prefix, Builds::Baseline)].rate()
+            })
+        };
         baseline = format!(
             " baseline_api_cpu_us_per_record={baseline_api:.2} \
              baseline_worker_cpu_us_per_record={baseline_worker:.2} \
-             api_cpu_over_baseline={:.2} worker_cpu_over_baseline={:.2}",
+             api_cpu_over_baseline={:.2} worker_cpu_over_baseline={:.2} \
+             ingest_rate_over_baseline={:.2} worker_rate_over_baseline={:.2} \
+             e2e_rate_over_baseline={:.2}",
             over("ingest alone", true),
             over("worker alone", false),
+            rate_over("ingest alone"),
+            rate_over("worker alone"),
+            rate_over("end to end"),
         );
     }
     println!(
         "pipeline runs={} e2e_records_per_s={e2e:.0} ingest_over_ceiling={ingest_over_ceiling:.2} \
          worker_over_ceiling={worker_over_ceiling:.2} api_cpu_us_per_record={api_cpu:.2} \
          worker_cpu_us_per_record={worker_cpu:.2} worker_records_per_s={worker_records_per_s:.0} \
-         e2e_over_ceiling={e2e_over_ceiling:.2} \
+         e2e_over_ceiling={e2e_over_ceiling:.2} disk_bytes_per_record={disk_per_record:.1} \
          batch_ceiling_over_ceiling={batch_ceiling_over_ceiling:.2}{baseline}",
         runs.len()
     );
@@ -807,9 +879,17 @@ async fn start_api(
     stack: &TestStack,
     limit: Duration,
     binary: Option<&std::path::Path>,
-    streams: usize,
+    args: &PipelineArgs,
 ) -> anyhow::Result<Api> {
+    let streams = args.streams;
     let mut launch = stack.api();
+    if let Some(compression) = &args.compression {
+        launch
+            .settings
+            .kafka
+            .properties
+            .insert("compression.type".to_owned(), compression.clone());
+    }
     let principal = &mut launch
         .settings
         .api
