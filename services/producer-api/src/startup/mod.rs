@@ -272,7 +272,8 @@ async fn connect(
         .map_err(|error| StartupError::KeyLog(error.to_string()))?
     };
     let metrics = Arc::new(Metrics::new());
-    let records_topic = RecordsTopic::new(&kafka.topics.records);
+    let records_topic =
+        RecordsTopic::new(&kafka.topics.records, settings.api.batch_max_bytes.get());
     let publisher = Publisher::connect(
         kafka,
         &settings.api,
