@@ -87,6 +87,17 @@ pub enum StartupError {
         retention_ms: i64,
         topic: String,
     },
+    #[error(
+        "refusing to start: api.{key} ({value}) plus {room} bytes of room for its frame, key, headers and Kafka's framing does not fit under {limit}; lower api.{key} or raise that limit"
+    )]
+    MessageRoom {
+        key: &'static str,
+        value: usize,
+        room: usize,
+        limit: String,
+    },
+    #[error("kafka.properties.message.max.bytes {0:?} is not a number of bytes")]
+    MessageMaxBytes(String),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
     #[error("refusing to start: {0}")]
@@ -245,6 +256,18 @@ async fn connect(
         idempotency_topic,
         &idempotency_config,
     )?;
+    // Every batch, and the largest record alone in its batch, must fit
+    // what the broker takes on the records topic.
+    let records_config = quire_queue::topic_config(kafka, &kafka.topics.records)
+        .await
+        .map_err(StartupError::Topics)?;
+    match checks::topic_message_limit(&kafka.topics.records, &records_config) {
+        Some(limit) => checks::check_message_room(settings, &limit)?,
+        None => tracing::warn!(
+            topic = %kafka.topics.records,
+            "the broker did not say the records topic's max.message.bytes; batches are not checked against it"
+        ),
+    }
     // The live count (the topic may have grown past kafka.partitions):
     // releases and look-ups cover every partition there is.
     let records_partitions = quire_queue::describe_topic(kafka, &kafka.topics.records)
