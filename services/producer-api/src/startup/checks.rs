@@ -35,16 +35,12 @@ pub struct Checked {
 /// headers, with plenty to spare.
 pub const MESSAGE_ROOM: usize = 1024;
 
-/// librdkafka's `message.max.bytes` when `kafka.properties` does not set it.
-const CLIENT_MESSAGE_MAX_BYTES: usize = 1_000_000;
-
 /// Checks every setting that needs no connection; `address` is where the
 /// API listens (authentication depends on it).
 pub fn check(settings: &Settings, address: SocketAddr) -> Result<Checked, StartupError> {
-    check_message_room(
-        settings,
-        &MessageLimit::Client(client_message_max_bytes(settings)?),
-    )?;
+    let sizes =
+        quire_queue::producer_sizes(&settings.kafka).map_err(StartupError::ProducerSizes)?;
+    check_message_room(settings, &MessageLimit::Client(sizes.message_max_bytes))?;
     let checked = Checked {
         limits: limits(settings)?,
         connections: connection_limits(settings)?,
@@ -146,18 +142,6 @@ impl std::fmt::Display for MessageLimit {
     }
 }
 
-/// The client's `message.max.bytes`, from `kafka.properties` or librdkafka's
-/// default.
-fn client_message_max_bytes(settings: &Settings) -> Result<usize, StartupError> {
-    match settings.kafka.client_properties().get("message.max.bytes") {
-        None => Ok(CLIENT_MESSAGE_MAX_BYTES),
-        Some(value) => value
-            .trim()
-            .parse()
-            .map_err(|_| StartupError::MessageMaxBytes(value.clone())),
-    }
-}
-
 /// The records topic's `max.message.bytes` (`config`: its live settings);
 /// `None` when the broker did not say.
 pub fn topic_message_limit(
@@ -195,6 +179,26 @@ pub fn check_message_room(settings: &Settings, limit: &MessageLimit) -> Result<(
                 limit: limit.to_string(),
             });
         }
+    }
+    Ok(())
+}
+
+/// Refuses a records topic whose `max.message.bytes` (`limit`) is below the
+/// record batches the producers build (`sizes`): librdkafka fills one batch
+/// per partition with several messages, up to `batch.size` and
+/// `message.max.bytes`, and the broker applies the topic's limit to the
+/// whole batch, so a batch of messages that each fit would be refused and
+/// every request sharing its transaction aborted.
+pub fn check_record_batches(
+    limit: &MessageLimit,
+    sizes: quire_queue::ProducerSizes,
+) -> Result<(), StartupError> {
+    let cap = sizes.record_batch_cap();
+    if cap > limit.bytes() {
+        return Err(StartupError::RecordBatches {
+            cap,
+            limit: limit.to_string(),
+        });
     }
     Ok(())
 }
@@ -422,6 +426,18 @@ mod tests {
             .properties
             .insert("message_max_bytes".into(), "5000000".into());
         assert!(check(&settings, loopback).is_ok());
+        // Several messages go in one record batch, up to batch.size and
+        // message.max.bytes: the topic must take that whole batch.
+        let sizes = quire_queue::producer_sizes(&quire_config::defaults().kafka).unwrap();
+        assert!(check_record_batches(&topic(1_048_588), sizes).is_ok());
+        let error = check_record_batches(&topic(999_999), sizes)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("up to 1000000 bytes") && error.contains("max.message.bytes (999999"),
+            "{error}"
+        );
         settings
             .kafka
             .properties

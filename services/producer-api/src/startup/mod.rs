@@ -8,6 +8,8 @@
 
 mod checks;
 
+pub use checks::MESSAGE_ROOM;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -96,8 +98,12 @@ pub enum StartupError {
         room: usize,
         limit: String,
     },
-    #[error("kafka.properties.message.max.bytes {0:?} is not a number of bytes")]
-    MessageMaxBytes(String),
+    #[error(
+        "refusing to start: the producers build record batches of up to {cap} bytes (the smaller of kafka.properties.batch.size and message.max.bytes), more than {limit} takes in one batch; lower kafka.properties.batch.size or raise that limit"
+    )]
+    RecordBatches { cap: usize, limit: String },
+    #[error("{0}")]
+    ProducerSizes(String),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
     #[error("refusing to start: {0}")]
@@ -262,7 +268,11 @@ async fn connect(
         .await
         .map_err(StartupError::Topics)?;
     match checks::topic_message_limit(&kafka.topics.records, &records_config) {
-        Some(limit) => checks::check_message_room(settings, &limit)?,
+        Some(limit) => {
+            checks::check_message_room(settings, &limit)?;
+            let sizes = quire_queue::producer_sizes(kafka).map_err(StartupError::ProducerSizes)?;
+            checks::check_record_batches(&limit, sizes)?;
+        }
         None => tracing::warn!(
             topic = %kafka.topics.records,
             "the broker did not say the records topic's max.message.bytes; batches are not checked against it"
