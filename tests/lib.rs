@@ -3,7 +3,9 @@
 //! their services), [`services`] (starting the real binaries with those
 //! settings), [`client`] (requests to a started API), [`observe`] (what a
 //! run left in Kafka and S3, and the exactly-once checks), [`kafka_process`]
-//! (private brokers a test may crash), [`s3`] and [`tls`] (an HTTPS
+//! (private brokers a test may crash), [`record_ids`] (the API's record
+//! ids, and the records a message of the records topic carries), [`s3`]
+//! and [`tls`] (an HTTPS
 //! endpoint in front of a started API); here, settings from the
 //! running local stack, unique names, and topics that clean up after
 //! themselves.
@@ -17,7 +19,7 @@ use quire_config::KafkaSettings;
 use quire_queue::TopicSpec;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
+use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 /// Where the stack's Kafka is, from `eval "$(deploy/local/stack env)"`.
@@ -224,6 +226,8 @@ pub struct Seen {
     pub partition: i32,
     pub offset: i64,
     pub key: Option<Vec<u8>>,
+    /// Its headers, in order (`quire-kind`, `quire-v` on the records topic).
+    pub headers: Vec<(String, Vec<u8>)>,
     pub payload: Vec<u8>,
     /// The message's timestamp (the broker's append time on the records
     /// topic).
@@ -275,6 +279,20 @@ pub fn read_all(
                     partition: message.partition(),
                     offset: message.offset(),
                     key: message.key().map(<[u8]>::to_vec),
+                    headers: message
+                        .headers()
+                        .map(|headers| {
+                            headers
+                                .iter()
+                                .map(|header| {
+                                    (
+                                        header.key.to_owned(),
+                                        header.value.map(<[u8]>::to_vec).unwrap_or_default(),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
                     payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
                     timestamp_ms: message.timestamp().to_millis(),
                 });
@@ -354,6 +372,7 @@ pub async fn delete_records_before(
 pub mod client;
 pub mod kafka_process;
 pub mod observe;
+pub mod record_ids;
 pub mod s3;
 pub mod services;
 pub mod stack;
@@ -361,6 +380,7 @@ pub mod tls;
 
 pub use client::{Answer, ApiClient, Attempt, NoAnswer};
 pub use observe::{Observed, Report, worker_metric};
+pub use record_ids::{RecordId, records_in, records_of};
 pub use services::{
     ApiProcess, InProcessApi, InProcessWorker, Launch, Service, WorkerProcess, environment_of,
     release_binary,

@@ -23,9 +23,22 @@ pub struct TestStack {
 
 impl TestStack {
     pub async fn create(prefix: &str) -> TestStack {
+        Self::create_with_records_config(prefix, &[]).await
+    }
+
+    /// [`create`](Self::create), the records topic with `config` added to
+    /// the design's (`max.message.bytes`, say).
+    pub async fn create_with_records_config(prefix: &str, config: &[(&str, &str)]) -> TestStack {
         let topics = Self::topic_names(prefix);
         let mut guards = Vec::new();
-        for spec in quire_queue::design_topics(&topics, 1, quire_queue::DEFAULT_PARTITIONS) {
+        for mut spec in quire_queue::design_topics(&topics, 1, quire_queue::DEFAULT_PARTITIONS) {
+            if spec.name == topics.records {
+                spec.config.extend(
+                    config
+                        .iter()
+                        .map(|(key, value)| ((*key).to_owned(), (*value).to_owned())),
+                );
+            }
             guards.push(crate::TestTopic::adopt(spec).await);
         }
         TestStack {

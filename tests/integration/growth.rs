@@ -66,8 +66,8 @@ async fn produce(
             sent.frozen += frozen;
             match &last.outcome {
                 Ok(answer) if answer.status == 200 => {
-                    let first_id = answer.body["ids"][0].as_str().expect("ids").to_owned();
-                    let partition: u32 = first_id.split_once('-').unwrap().0.parse().unwrap();
+                    let first_id = quire_tests::RecordId::all_of(&answer.body)[0];
+                    let partition = u32::try_from(first_id.partition).expect("a partition");
                     sent.accepted.extend(next..next + 10);
                     sent.arrays.push((partition, last.answered_at));
                     true

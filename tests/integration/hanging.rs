@@ -60,11 +60,9 @@ async fn messages_of(
 
 /// Whether the record `seq` of `stream` is readable under read_committed.
 async fn readable(broker: &KafkaProcess, topic: &str, stream: &str, seq: u64) -> bool {
-    messages_of(broker, topic, stream, true)
-        .await
+    quire_tests::records_of(&messages_of(broker, topic, stream, true).await)
         .iter()
-        .filter_map(|message| serde_json::from_slice::<serde_json::Value>(&message.payload).ok())
-        .any(|record| record["seq"].as_u64() == Some(seq))
+        .any(|(_, record)| record["seq"].as_u64() == Some(seq))
 }
 
 /// What happens to the API across a round's broker crash.

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use quire_messages::layout::RETENTION_PREFIXES;
-use quire_tests::{ApiProcess, TestStack, records, sha256_hex, unique};
+use quire_tests::{ApiProcess, RecordId, TestStack, records, sha256_hex, unique};
 use serde_json::Value;
 
 const LONG: Duration = Duration::from_secs(90);
@@ -123,8 +123,14 @@ async fn a_manifest_left_by_a_replay_that_cut_elsewhere_is_never_served() {
     let stack = TestStack::create("stale-manifest").await;
     let api = stack.start_api().await;
     let stream = unique("recut");
-    let ids = api.send_ok(&stream, &records(&stream, 0, 10)).await;
-    let report_of = |index: usize| format!("{stream}~{}", ids[index]);
+    // One array per record, so each is a batch message of its own and the
+    // replay may cut between any two (a report never splits a batch).
+    let mut ids = Vec::new();
+    for seq in 0..10 {
+        let sent = api.send_ok(&stream, &records(&stream, seq, 1)).await;
+        ids.push(RecordId::parse(&sent[0]));
+    }
+    let report_of = |index: usize| format!("{stream}~{}", ids[index].message());
     let (stale, first_four, next_four) = (report_of(9), report_of(3), report_of(7));
 
     let mut doomed = stack

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use quire_config::Settings;
 use quire_tests::s3::TestBucket;
-use quire_tests::{Observed, TestStack, partition_of, records};
+use quire_tests::{Observed, RecordId, TestStack, partition_of, records};
 use quire_tests::{TestTopic, unique};
 use serde_json::json;
 
@@ -42,6 +42,9 @@ async fn three_arrays_then_a_cut_make_one_report_with_exactly_those_records() {
         );
     }
     assert_eq!(ids.len(), 150, "one id per record");
+    let distinct: std::collections::BTreeSet<RecordId> =
+        ids.iter().map(|id| RecordId::parse(id)).collect();
+    assert_eq!(distinct.len(), 150, "each record an id of its own");
     let report_id = api.cut(&stream).await;
     let status = api.wait_completed(&report_id, LONG).await;
     let manifest = &status["manifest"];
@@ -76,12 +79,10 @@ async fn three_arrays_then_a_cut_make_one_report_with_exactly_those_records() {
     );
     observed.assert_exactly_once(&BTreeMap::from([(stream.clone(), (0..150).collect())]));
 
-    // An id that was never issued is 404 (a record's offset is not a marker),
-    // a malformed one 400.
-    let (partition, offset) = ids[0].split_once('-').unwrap();
-    let (code, _) = api
-        .get(&format!("/v1/reports/{stream}~{partition}-{offset}"))
-        .await;
+    // An id that was never issued is 404 (a record's batch message is not
+    // a marker), a malformed one 400.
+    let batch = quire_tests::RecordId::parse(&ids[0]).message();
+    let (code, _) = api.get(&format!("/v1/reports/{stream}~{batch}")).await;
     assert_eq!(code, 404);
     let (code, _) = api.get("/v1/reports/not-an-id").await;
     assert_eq!(code, 400);
@@ -132,8 +133,9 @@ async fn two_streams_on_one_partition_cut_at_different_moments_keep_their_own_re
         for stream in [&first, &second] {
             let ids = api.send_ok(stream, &records(stream, round * 10, 10)).await;
             assert!(
-                ids.iter().all(|id| id.starts_with(&format!("{target}-"))),
-                "both streams on partition {target}"
+                ids.iter()
+                    .all(|id| RecordId::parse(id).partition == target as i32),
+                "both streams on partition {target}: {ids:?}"
             );
             sent.entry(stream.clone())
                 .or_default()

@@ -47,17 +47,17 @@ async fn send_for(
 fn log_times(stack: &TestStack, streams: &[&str]) -> BTreeMap<(String, u64), i64> {
     let mut times = BTreeMap::new();
     for message in read_all(&stack.kafka, &stack.topics.records, 12, true) {
-        let Ok(body) = serde_json::from_slice::<Value>(&message.payload) else {
-            continue;
-        };
-        let (Some(stream), Some(seq)) = (body["stream"].as_str(), body["seq"].as_u64()) else {
-            continue;
-        };
-        if streams.contains(&stream) {
-            times.insert(
-                (stream.to_owned(), seq),
-                message.timestamp_ms.expect("a log time"),
-            );
+        // Every record of a batch message has the message's log time.
+        for (_, body) in quire_tests::records_of(std::slice::from_ref(&message)) {
+            let (Some(stream), Some(seq)) = (body["stream"].as_str(), body["seq"].as_u64()) else {
+                continue;
+            };
+            if streams.contains(&stream) {
+                times.insert(
+                    (stream.to_owned(), seq),
+                    message.timestamp_ms.expect("a log time"),
+                );
+            }
         }
     }
     times
@@ -384,8 +384,10 @@ async fn an_upload_left_on_a_templated_key_is_aborted_when_its_document_opens_ag
     api.put_definition(&stream, json!({ "key_template": template }))
         .await;
     let ids = api.send_ok(&stream, &records(&stream, 0, 20)).await;
-    let (partition, offset) = ids[0].split_once('-').unwrap();
-    let (partition, offset): (i32, i64) = (partition.parse().unwrap(), offset.parse().unwrap());
+    // The document's first offset is its first batch message's.
+    let quire_tests::RecordId {
+        partition, offset, ..
+    } = quire_tests::RecordId::parse(&ids[0]);
     let key = format!("reports/{stream}/flat/{offset:020}-{partition:05}.xml");
     // What a worker killed mid-document leaves: an upload with a part.
     let upload = stack

@@ -36,7 +36,9 @@ pub struct SendProgress {
     /// The input's size when it was first sent, if it is a regular file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file_size: Option<u64>,
-    /// The last accepted record's id (`partition-offset`).
+    /// The last accepted record's id, as the API wrote it
+    /// (`partition-offset-index`; `partition-offset` from APIs before batch
+    /// messages). Shown to people, never parsed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_id: Option<String>,
     /// Names this send (all its runs): each array's `Idempotency-Key` is
@@ -209,7 +211,7 @@ mod tests {
         let mut progress = SendProgress::new("orders", "orders.json", Format::Array, Some(1234));
         progress.records = 1000;
         progress.offset = 567;
-        progress.last_id = Some("3-999".to_owned());
+        progress.last_id = Some("3-999-7".to_owned());
         progress.save(&path).unwrap();
         assert_eq!(SendProgress::load(&path).unwrap(), Some(progress.clone()));
 
@@ -228,7 +230,7 @@ mod tests {
         let mut progress = SendProgress::new("orders", "orders.json", Format::Array, None);
         for records in [1, 20, 300, 4000] {
             progress.records = records;
-            progress.last_id = Some(format!("3-{records}"));
+            progress.last_id = Some(format!("3-{records}-0"));
             progress.save(&path).unwrap();
             let text = fs::read(&path).unwrap();
             assert!(text.ends_with(b"}\n"), "the file ends where its JSON does");

@@ -41,6 +41,8 @@ pub struct Metrics {
     errors: Family<ErrorLabels, Counter>,
     in_flight: Gauge,
     records_accepted: Counter,
+    /// Batch messages of accepted arrays (records / this: records per message).
+    batch_messages: Counter,
     arrays_accepted: Counter,
     array_records: Histogram,
     enqueue_seconds: Histogram,
@@ -100,6 +102,12 @@ impl Metrics {
             "records_accepted",
             "Records published (committed) to Kafka",
             records_accepted.clone(),
+        );
+        let batch_messages = Counter::default();
+        registry.register(
+            "batch_messages",
+            "Batch messages published (committed) to Kafka, each carrying records of one array (at most api.batch_max_bytes of them, or one larger record)",
+            batch_messages.clone(),
         );
         let arrays_accepted = Counter::default();
         registry.register(
@@ -191,6 +199,7 @@ impl Metrics {
             errors,
             in_flight,
             records_accepted,
+            batch_messages,
             arrays_accepted,
             array_records,
             enqueue_seconds,
@@ -200,8 +209,10 @@ impl Metrics {
         }
     }
 
-    pub fn array_accepted(&self, records: usize, enqueue_time: Duration) {
+    /// An array of `records` published in `batches` batch messages.
+    pub fn array_accepted(&self, records: usize, batches: usize, enqueue_time: Duration) {
         self.records_accepted.inc_by(records as u64);
+        self.batch_messages.inc_by(batches as u64);
         self.arrays_accepted.inc();
         self.array_records.observe(records as f64);
         self.enqueue_seconds.observe(enqueue_time.as_secs_f64());
@@ -407,7 +418,7 @@ mod tests {
             Duration::from_millis(1),
             Some("forbidden_character"),
         );
-        metrics.array_accepted(250, Duration::from_millis(2));
+        metrics.array_accepted(250, 3, Duration::from_millis(2));
         metrics.idempotent_replay();
         metrics.transaction_ended("committed", Duration::from_millis(4));
         let text = metrics.encode();
@@ -422,7 +433,8 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("quire_api_records_accepted_total 250"),
+            text.contains("quire_api_records_accepted_total 250")
+                && text.contains("quire_api_batch_messages_total 3"),
             "{text}"
         );
         assert!(

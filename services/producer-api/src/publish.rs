@@ -78,6 +78,17 @@ pub struct Publisher {
 #[derive(Debug, Clone)]
 pub struct RecordsTopic {
     topic: String,
+    /// `api.batch_max_bytes`: the most bytes of framed records in one batch.
+    batch_max_bytes: usize,
+}
+
+/// One request's records as the batch messages that carry them.
+#[derive(Debug)]
+pub struct Batches {
+    /// The batch messages, in the records' order.
+    pub messages: Vec<OutMessage>,
+    /// How many records each message carries, in the same order.
+    pub counts: Vec<usize>,
 }
 
 /// `{transactional_id_prefix}-{replica_id}-{n}`: stable per replica, so a
@@ -437,22 +448,39 @@ impl Slot {
 }
 
 impl RecordsTopic {
-    pub fn new(topic: &str) -> Self {
+    /// The records topic `topic`, its batches bounded by `batch_max_bytes`.
+    pub fn new(topic: &str, batch_max_bytes: usize) -> Self {
         RecordsTopic {
             topic: topic.to_owned(),
+            batch_max_bytes,
         }
     }
 
-    /// A record: its exact JSON text, keyed by its stream, on the stream's
-    /// partition (`crate::placement`).
-    pub fn record_message(
+    /// A request's records of `stream`, in order, as few batch messages as
+    /// the bound allows (see [`records::batches`]): each record's exact
+    /// JSON text framed, keyed by the stream, on the stream's partition
+    /// (`crate::placement`). A record past the bound goes alone in its
+    /// batch (start-up checked that one fits the topic).
+    pub fn batch_messages(
         &self,
         stream: &StreamName,
         partition: i32,
-        record: &RawValue,
-    ) -> OutMessage {
-        self.on_topic(records::record(stream, record.get().as_bytes()))
-            .to_partition(partition)
+        texts: &[&RawValue],
+    ) -> Batches {
+        let batches = records::batches(
+            stream,
+            texts.iter().map(|text| text.get().as_bytes()),
+            self.batch_max_bytes,
+        );
+        let counts = batches
+            .iter()
+            .map(|batch| records::record_count(&batch.headers, &batch.payload))
+            .collect();
+        let messages = batches
+            .into_iter()
+            .map(|batch| self.on_topic(batch).to_partition(partition))
+            .collect();
+        Batches { messages, counts }
     }
 
     /// A control message (cut marker, definition) on the stream's key and
@@ -464,7 +492,7 @@ impl RecordsTopic {
         partition: i32,
         body: Vec<u8>,
     ) -> OutMessage {
-        debug_assert_ne!(kind, MessageKind::Record);
+        debug_assert!(!matches!(kind, MessageKind::Record | MessageKind::Batch));
         self.on_topic(records::control(kind, stream, body))
             .to_partition(partition)
     }
@@ -493,25 +521,75 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_record_is_its_exact_text_keyed_by_stream_with_kind_and_version() {
-        let topic = RecordsTopic::new("quire.records");
+    fn records_go_in_order_in_as_few_bounded_batches_keyed_by_stream() {
+        let texts: Vec<String> = (0..40)
+            .map(|seq| format!("{{\"seq\": {seq},\n \"pad\": \"{}\"}}", "x".repeat(seq)))
+            .collect();
+        let raw: Vec<&RawValue> = texts
+            .iter()
+            .map(|text| serde_json::from_str(text).unwrap())
+            .collect();
+        let topic = RecordsTopic::new("quire.records", 300);
         let stream = StreamName::new("orders").unwrap();
-        let record: &RawValue = serde_json::from_str(r#"{"n": 1.50}"#).unwrap();
-        let message = topic.record_message(&stream, 7, record);
-        assert_eq!(message.topic, "quire.records");
-        assert_eq!(message.key.as_deref(), Some(&b"orders"[..]));
-        assert_eq!(message.payload, br#"{"n": 1.50}"#);
-        assert_eq!(
-            message.headers,
-            [
-                ("quire-kind".to_owned(), b"record".to_vec()),
-                ("quire-v".to_owned(), b"1".to_vec())
-            ]
-        );
-        assert_eq!(message.partition, Some(7), "the API chooses the partition");
+        let batches = topic.batch_messages(&stream, 7, &raw);
+        assert_eq!(batches.messages.len(), batches.counts.len());
+        assert!(batches.messages.len() > 1, "300 bytes split them");
+        assert_eq!(batches.counts.iter().sum::<usize>(), texts.len());
+        let mut read_back = Vec::new();
+        for (message, &count) in batches.messages.iter().zip(&batches.counts) {
+            assert_eq!(message.topic, "quire.records");
+            assert_eq!(message.key.as_deref(), Some(&b"orders"[..]));
+            assert_eq!(message.partition, Some(7), "the API chooses the partition");
+            assert_eq!(
+                message.headers,
+                [
+                    ("quire-kind".to_owned(), b"batch".to_vec()),
+                    ("quire-v".to_owned(), b"1".to_vec())
+                ]
+            );
+            assert!(message.payload.len() <= 300, "{}", message.payload.len());
+            let inside: Vec<&[u8]> = quire_messages::batch::records(&message.payload)
+                .collect::<Result<_, _>>()
+                .unwrap();
+            assert_eq!(inside.len(), count);
+            read_back.extend(inside.iter().map(|text| text.to_vec()));
+        }
+        // Byte for byte, in order, and no batch could have taken the next
+        // batch's first record: as few batches as the bound allows.
+        let sent: Vec<Vec<u8>> = texts.iter().map(|text| text.clone().into_bytes()).collect();
+        assert_eq!(read_back, sent);
+        for pair in batches.messages.windows(2) {
+            let next_first = quire_messages::batch::records(&pair[1].payload)
+                .next()
+                .unwrap()
+                .unwrap();
+            assert!(
+                pair[0].payload.len() + quire_messages::batch::FRAME_OVERHEAD + next_first.len()
+                    > 300
+            );
+        }
+        let one = topic.batch_messages(&stream, 7, &raw[..1]);
+        assert_eq!(one.counts, [1]);
         let cut = topic.control_message(MessageKind::Cut, &stream, 7, b"{}".to_vec());
         assert_eq!(cut.headers[0], ("quire-kind".to_owned(), b"cut".to_vec()));
         assert_eq!(cut.key.as_deref(), Some(&b"orders"[..]));
+    }
+
+    #[test]
+    fn a_record_past_the_bound_goes_alone_in_its_batch() {
+        let big = format!("{{\"pad\": \"{}\"}}", "x".repeat(500));
+        let texts = [r#"{"a":1}"#, big.as_str(), r#"{"b":2}"#, r#"{"c":3}"#];
+        let raw: Vec<&RawValue> = texts
+            .iter()
+            .map(|text| serde_json::from_str(text).unwrap())
+            .collect();
+        let topic = RecordsTopic::new("quire.records", 100);
+        let batches = topic.batch_messages(&StreamName::new("orders").unwrap(), 0, &raw);
+        assert_eq!(batches.counts, [1, 1, 2]);
+        assert_eq!(
+            batches.messages[1].payload.len(),
+            big.len() + quire_messages::batch::FRAME_OVERHEAD
+        );
     }
 
     #[test]

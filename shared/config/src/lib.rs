@@ -45,6 +45,9 @@ pub struct ApiSettings {
     pub max_body_bytes: NonZeroUsize,
     pub max_record_bytes: NonZeroUsize,
     pub max_records_per_request: NonZeroUsize,
+    /// The most bytes of records (framed) one batch message of the records
+    /// topic carries; at most [`MAX_BATCH_BYTES`].
+    pub batch_max_bytes: NonZeroUsize,
     /// Accepted bearer tokens, as digests with scopes (see [`ApiToken`]).
     #[serde(default)]
     pub tokens: Vec<ApiToken>,
@@ -144,6 +147,11 @@ pub struct WorkerSettings {
     #[serde_as(as = "DurationMilliSeconds<u64>")]
     pub topic_check_interval: Duration,
 }
+
+/// The largest `api.batch_max_bytes`: past a few hundred KiB a batch gains
+/// no throughput, and a larger one only asks more of the topic's
+/// `max.message.bytes` and of every reader's fetch buffers.
+pub const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 
 /// The longest `worker.replica_id`.
 pub const MAX_REPLICA_ID_LEN: usize = 64;
@@ -329,6 +337,13 @@ pub enum ConfigError {
         "environment variable {name} names no setting{hint} (settings are QUIRE_<SECTION>__<KEY>, two underscores between levels; docs/configuration.md lists them)"
     )]
     UnknownVariable { name: String, hint: String },
+    #[error("{key} is {value}; it must be at most {max} ({why})")]
+    AboveMaximum {
+        key: &'static str,
+        value: usize,
+        max: usize,
+        why: &'static str,
+    },
 }
 
 /// The sections of [`Settings`], as they begin an environment variable.
@@ -451,13 +466,30 @@ fn load_from(
                 .with_list_parse_key("api.tokens"),
         );
     }
-    builder.build()?.try_deserialize().map_err(|error| {
+    let settings: Settings = builder.build()?.try_deserialize().map_err(|error| {
         if error.to_string().contains("unknown field `auth_tokens`") {
             ConfigError::PlainTokens
         } else {
             ConfigError::Invalid(error)
         }
-    })
+    })?;
+    check_maxima(&settings)?;
+    Ok(settings)
+}
+
+/// Refuses, naming it, a setting past the largest value quire takes (the
+/// types refuse 0; this, the other end).
+fn check_maxima(settings: &Settings) -> Result<(), ConfigError> {
+    let batch = settings.api.batch_max_bytes.get();
+    if batch > MAX_BATCH_BYTES {
+        return Err(ConfigError::AboveMaximum {
+            key: "api.batch_max_bytes",
+            value: batch,
+            max: MAX_BATCH_BYTES,
+            why: "4 MiB; a larger batch gains nothing and needs a larger max.message.bytes on the records topic",
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -476,6 +508,28 @@ mod tests {
         let error = load_from(None, Some(environment)).unwrap_err().to_string();
         assert!(error.contains("quire token new"), "{error}");
         assert!(!error.contains("hunter2"), "{error}");
+    }
+
+    #[test]
+    fn batch_max_bytes_defaults_to_256_kib_and_is_refused_past_4_mib_by_name() {
+        assert_eq!(defaults().api.batch_max_bytes.get(), 262_144);
+        let read = |value: &str| {
+            load_with(
+                None,
+                [("QUIRE_API__BATCH_MAX_BYTES".to_owned(), value.to_owned())],
+            )
+        };
+        assert_eq!(
+            read("4194304").unwrap().api.batch_max_bytes.get(),
+            MAX_BATCH_BYTES
+        );
+        let error = read("4194305").unwrap_err().to_string();
+        assert!(
+            error.contains("api.batch_max_bytes is 4194305") && error.contains("at most 4194304"),
+            "{error}"
+        );
+        let error = read("0").unwrap_err().to_string();
+        assert!(error.contains("batch_max_bytes"), "{error}");
     }
 
     #[test]

@@ -210,6 +210,47 @@ pub(crate) fn reader_config(
     Ok(config)
 }
 
+/// librdkafka's `message.max.bytes` when nothing sets it.
+const LIBRDKAFKA_MESSAGE_MAX_BYTES: usize = 1_000_000;
+
+/// The sizes a transactional producer's configuration bounds, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProducerSizes {
+    /// `message.max.bytes`: the largest message librdkafka sends, and the
+    /// largest record batch it builds.
+    pub message_max_bytes: usize,
+    /// `batch.size`: the record batch librdkafka fills for one partition
+    /// (a first message larger than it still goes, alone).
+    pub batch_size: usize,
+}
+
+impl ProducerSizes {
+    /// The largest record batch of several messages librdkafka sends: a
+    /// topic whose `max.message.bytes` is below it may refuse a batch of
+    /// messages that each fit.
+    pub fn record_batch_cap(&self) -> usize {
+        self.message_max_bytes.min(self.batch_size)
+    }
+}
+
+/// What a transactional producer of quire's is configured with (the user's
+/// `kafka.properties` over quire's and librdkafka's defaults); `Err` names a
+/// property that is not a number.
+pub fn producer_sizes(settings: &KafkaSettings) -> Result<ProducerSizes, String> {
+    let config = producer_config(settings, "sizes").map_err(|error| error.to_string())?;
+    let read = |key: &str, default: usize| match config.get(key) {
+        None => Ok(default),
+        Some(value) => value
+            .trim()
+            .parse()
+            .map_err(|_| format!("kafka.properties.{key} {value:?} is not a number of bytes")),
+    };
+    Ok(ProducerSizes {
+        message_max_bytes: read("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES)?,
+        batch_size: read("batch.size", LIBRDKAFKA_MESSAGE_MAX_BYTES)?,
+    })
+}
+
 fn set_default(config: &mut ClientConfig, key: &str, value: &str) {
     if config.get(key).is_none() {
         config.set(key, value);
@@ -250,6 +291,23 @@ mod tests {
         assert_eq!(config.get("security.protocol"), Some("ssl"));
         assert_eq!(config.get("enable.idempotence"), Some("true"));
         assert_eq!(config.get("transaction.timeout.ms"), Some("10000"));
+    }
+
+    #[test]
+    fn producer_sizes_are_the_users_over_quires_and_librdkafkas_defaults() {
+        let defaults = producer_sizes(&KafkaSettings::for_bootstrap("127.0.0.1:1")).unwrap();
+        assert_eq!(
+            defaults,
+            ProducerSizes {
+                message_max_bytes: 1_000_000,
+                batch_size: 1_048_576
+            }
+        );
+        assert_eq!(defaults.record_batch_cap(), 1_000_000);
+        let smaller = producer_sizes(&settings_with("batch_size", "65536")).unwrap();
+        assert_eq!(smaller.record_batch_cap(), 65_536);
+        let error = producer_sizes(&settings_with("message_max_bytes", "big")).unwrap_err();
+        assert!(error.contains("message.max.bytes"), "{error}");
     }
 
     #[test]

@@ -38,7 +38,7 @@ pub use admin::{
     DEFAULT_PARTITIONS, IDEMPOTENCY_RETENTION_MS, TopicSpec, WATERMARK_COMPACTION, check_topics,
     delete_topics, design_topics, ensure_topics, grow_topic, topic_config,
 };
-pub use client::PROTECTED_PROPERTIES;
+pub use client::{PROTECTED_PROPERTIES, ProducerSizes, producer_sizes};
 pub use consumer::{
     Array, ArrayBounds, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit,
     DrainSummary, TransactionOutcome,

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use quire_tests::{ApiProcess, TestStack, read_all, records, unique};
+use quire_tests::{ApiProcess, TestStack, read_all, records, records_in, unique};
 use serde_json::Value;
 
 use super::RECORDS_PARTITIONS;
@@ -50,8 +50,9 @@ async fn published_seqs(
     })
     .await
     .unwrap()
-    .into_iter()
-    .filter_map(|message| serde_json::from_slice::<Value>(&message.payload).ok())
+    .iter()
+    .flat_map(records_in)
+    .filter_map(|text| serde_json::from_slice::<Value>(&text).ok())
     .filter_map(|body| body["seq"].as_u64())
     .collect();
     seqs.sort_unstable();

@@ -12,10 +12,13 @@
 //! - `cli`: the `quire` CLI end to end, a resumed send included;
 //! - `kafka`: the API while Kafka is away, and unknown commit outcomes;
 //! - `security`: tokens and their scopes, TLS, no secret in the log;
-//! - `downloads`: presigned S3 URLs of report documents.
+//! - `downloads`: presigned S3 URLs of report documents;
+//! - `batches`: records as batch messages under `api.batch_max_bytes`, their
+//!   ids, and the start-up check against the topic's `max.message.bytes`.
 //!
 //! The helpers they share are here.
 
+mod batches;
 mod cli;
 mod downloads;
 mod idempotency;
@@ -31,17 +34,25 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use quire_tests::{ApiProcess, TestStack, read_all, records, release_binary};
+use quire_tests::{ApiProcess, TestStack, read_all, records, records_in, release_binary};
 use serde_json::Value;
 
 pub(super) const RECORDS_PARTITIONS: i32 = 12;
 
-/// Every committed message on the stack's records topic, as JSON, keyed by
-/// stream.
+/// Every committed body of `stream` on the stack's records topic, as JSON,
+/// in order: each record of a batch (or record) message, and the payload of
+/// any other (cut markers, definitions).
 pub(super) fn committed_bodies(stack: &TestStack, stream: &str) -> Vec<Value> {
     committed_messages(stack, stream)
-        .into_iter()
-        .map(|message| serde_json::from_slice(&message.payload).expect("JSON message"))
+        .iter()
+        .flat_map(|message| {
+            if quire_messages::records::record_count(&message.headers, &message.payload) > 0 {
+                records_in(message)
+            } else {
+                vec![message.payload.clone()]
+            }
+        })
+        .map(|body| serde_json::from_slice(&body).expect("JSON body"))
         .collect()
 }
 

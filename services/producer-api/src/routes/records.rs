@@ -8,32 +8,59 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use quire_queue::{MessageId, OutMessage};
+use quire_queue::MessageId;
 use serde::{Serialize, Serializer};
 
 use crate::body::read_body;
 use crate::errors::ApiError;
 use crate::idempotency::{KeyedRequest, StoredResponse};
+use crate::publish::Batches;
 use crate::routes::StreamPath;
 use crate::state::Publishing;
 use crate::validation::Limits;
 use crate::validation::{BodyFormat, parse_records};
 
-/// `{"count": n, "ids": ["partition-offset", ...]}`, one id per record in order.
+/// `{"count": n, "ids": ["partition-offset-index", ...]}`, one id per
+/// record in order.
 #[derive(Debug, Serialize)]
 pub struct RecordsAccepted {
     pub count: usize,
-    pub ids: Vec<DisplayedId>,
+    pub ids: Vec<RecordId>,
 }
 
-/// A message id written as `partition-offset`, without a String per id.
-#[derive(Debug)]
-pub struct DisplayedId(pub MessageId);
+/// A record's id: the partition and offset of the batch message that
+/// carries it, and its place in that batch (0-based); written
+/// `partition-offset-index`, without a String per id. (Before batches, ids
+/// were `partition-offset`, one message per record; answers stored under an
+/// `Idempotency-Key` then are replayed as they were.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordId {
+    pub message: MessageId,
+    pub index: usize,
+}
 
-impl Serialize for DisplayedId {
+impl Serialize for RecordId {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(&self.0)
+        serializer.collect_str(&format_args!("{}-{}", self.message, self.index))
     }
+}
+
+/// The records' ids, in order, from their batch messages' ids (one per
+/// message, in order, as the publisher returns them) and how many records
+/// each message carries; `Err` when there are not as many ids as messages.
+pub fn record_ids(messages: &[MessageId], counts: &[usize]) -> Result<Vec<RecordId>, String> {
+    if messages.len() != counts.len() {
+        return Err(format!(
+            "kafka returned {} ids for {} batch messages",
+            messages.len(),
+            counts.len()
+        ));
+    }
+    Ok(messages
+        .iter()
+        .zip(counts)
+        .flat_map(|(&message, &count)| (0..count).map(move |index| RecordId { message, index }))
+        .collect())
 }
 
 /// All or nothing: every record is checked before any is published, and
@@ -57,28 +84,22 @@ pub async fn post_records(
         .into_response());
     }
     let partition = state.placement.place(&stream)?;
-    let messages: Vec<OutMessage> = records
-        .iter()
-        .map(|record| {
-            state
-                .records_topic
-                .record_message(&stream, partition, record)
-        })
-        .collect();
-    let count = messages.len();
+    let count = records.len();
+    let Batches { messages, counts } = state
+        .records_topic
+        .batch_messages(&stream, partition, &records);
+    let batches = messages.len();
     let enqueued_at = Instant::now();
     let answer = move |ids: Vec<MessageId>| {
+        let ids = record_ids(&ids, &counts).map_err(ApiError::Internal)?;
         if ids.len() != count {
             return Err(ApiError::Internal(format!(
-                "kafka returned {} ids for {count} records",
+                "{} ids for {count} records",
                 ids.len()
             )));
         }
-        let body = serde_json::to_vec(&RecordsAccepted {
-            count,
-            ids: ids.into_iter().map(DisplayedId).collect(),
-        })
-        .map_err(|error| ApiError::Internal(error.to_string()))?;
+        let body = serde_json::to_vec(&RecordsAccepted { count, ids })
+            .map_err(|error| ApiError::Internal(error.to_string()))?;
         Ok(StoredResponse {
             status: StatusCode::OK,
             headers: vec![("content-type", HeaderValue::from_static("application/json"))],
@@ -89,7 +110,9 @@ pub async fn post_records(
         .publish_answered(messages, keyed.map(|Extension(keyed)| keyed), answer)
         .await;
     if response.status().is_success() {
-        state.metrics.array_accepted(count, enqueued_at.elapsed());
+        state
+            .metrics
+            .array_accepted(count, batches, enqueued_at.elapsed());
     }
     Ok(response)
 }
@@ -98,25 +121,42 @@ pub async fn post_records(
 mod tests {
     use super::*;
 
+    fn at(partition: i32, offset: i64) -> MessageId {
+        MessageId { partition, offset }
+    }
+
     #[test]
-    fn ids_are_written_partition_dash_offset() {
+    fn ids_are_written_partition_dash_offset_dash_index() {
         let accepted = RecordsAccepted {
-            count: 2,
-            ids: vec![
-                DisplayedId(MessageId {
-                    partition: 3,
-                    offset: 41,
-                }),
-                DisplayedId(MessageId {
-                    partition: 3,
-                    offset: 42,
-                }),
-            ],
+            count: 3,
+            ids: record_ids(&[at(3, 41), at(3, 43)], &[2, 1]).unwrap(),
         };
         assert_eq!(
             serde_json::to_string(&accepted).unwrap(),
-            r#"{"count":2,"ids":["3-41","3-42"]}"#
+            r#"{"count":3,"ids":["3-41-0","3-41-1","3-43-0"]}"#
         );
+    }
+
+    #[test]
+    fn each_record_is_named_by_its_batch_message_and_its_place_in_it() {
+        let ids = record_ids(&[at(0, 7), at(0, 9), at(0, 12)], &[3, 1, 2]).unwrap();
+        let written: Vec<String> = ids
+            .iter()
+            .map(|id| {
+                serde_json::to_value(id)
+                    .unwrap()
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        assert_eq!(
+            written,
+            ["0-7-0", "0-7-1", "0-7-2", "0-9-0", "0-12-0", "0-12-1"]
+        );
+        assert_eq!(record_ids(&[], &[]).unwrap(), []);
+        let error = record_ids(&[at(0, 7)], &[3, 1]).unwrap_err();
+        assert!(error.contains("1 ids for 2 batch messages"), "{error}");
     }
 }
 

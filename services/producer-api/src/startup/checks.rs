@@ -29,9 +29,18 @@ pub struct Checked {
     pub check_interval: Duration,
 }
 
+/// Room a message of the records topic needs beyond its payload: Kafka's
+/// record batch header (61 bytes) and record framing (a few dozen), the key
+/// (a stream name, at most 128 bytes) and the `quire-kind` and `quire-v`
+/// headers, with plenty to spare.
+pub const MESSAGE_ROOM: usize = 1024;
+
 /// Checks every setting that needs no connection; `address` is where the
 /// API listens (authentication depends on it).
 pub fn check(settings: &Settings, address: SocketAddr) -> Result<Checked, StartupError> {
+    let sizes =
+        quire_queue::producer_sizes(&settings.kafka).map_err(StartupError::ProducerSizes)?;
+    check_message_room(settings, &MessageLimit::Client(sizes.message_max_bytes))?;
     let checked = Checked {
         limits: limits(settings)?,
         connections: connection_limits(settings)?,
@@ -99,6 +108,99 @@ pub fn check_idempotency_ttl(
         }
         _ => Ok(()),
     }
+}
+
+/// The largest message a records-topic batch must fit under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageLimit {
+    /// The kafka client's `message.max.bytes`.
+    Client(usize),
+    /// The records topic's `max.message.bytes`.
+    Topic { topic: String, bytes: usize },
+}
+
+impl MessageLimit {
+    fn bytes(&self) -> usize {
+        match self {
+            MessageLimit::Client(bytes) | MessageLimit::Topic { bytes, .. } => *bytes,
+        }
+    }
+}
+
+impl std::fmt::Display for MessageLimit {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MessageLimit::Client(bytes) => write!(
+                formatter,
+                "the kafka client's message.max.bytes ({bytes}; kafka.properties.message.max.bytes raises it)"
+            ),
+            MessageLimit::Topic { topic, bytes } => write!(
+                formatter,
+                "the records topic {topic}'s max.message.bytes ({bytes}; the topic's config raises it)"
+            ),
+        }
+    }
+}
+
+/// The records topic's `max.message.bytes` (`config`: its live settings);
+/// `None` when the broker did not say.
+pub fn topic_message_limit(
+    topic: &str,
+    config: &std::collections::BTreeMap<String, String>,
+) -> Option<MessageLimit> {
+    let bytes = config.get("max.message.bytes")?.trim().parse().ok()?;
+    Some(MessageLimit::Topic {
+        topic: topic.to_owned(),
+        bytes,
+    })
+}
+
+/// Refuses batches or records a message of the records topic could not
+/// carry under `limit`: a full batch (`api.batch_max_bytes`) and the largest
+/// record alone in its batch (`api.max_record_bytes` and its frame), each
+/// with [`MESSAGE_ROOM`]. Past it, Kafka would refuse the message and abort
+/// the transaction of every request sharing it.
+pub fn check_message_room(settings: &Settings, limit: &MessageLimit) -> Result<(), StartupError> {
+    let api = &settings.api;
+    let needs = [
+        ("batch_max_bytes", api.batch_max_bytes.get(), 0),
+        (
+            "max_record_bytes",
+            api.max_record_bytes.get(),
+            quire_messages::batch::FRAME_OVERHEAD,
+        ),
+    ];
+    for (key, value, frame) in needs {
+        if value.saturating_add(frame + MESSAGE_ROOM) > limit.bytes() {
+            return Err(StartupError::MessageRoom {
+                key,
+                value,
+                room: frame + MESSAGE_ROOM,
+                limit: limit.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a records topic whose `max.message.bytes` (`limit`) is below the
+/// record batches the producers build (`sizes`): librdkafka fills one batch
+/// per partition with several messages, up to `batch.size` and
+/// `message.max.bytes`, and the broker applies the topic's limit to the
+/// whole batch, so a batch of messages that each fit would be refused and
+/// every request sharing its transaction aborted.
+pub fn check_record_batches(
+    limit: &MessageLimit,
+    sizes: quire_queue::ProducerSizes,
+) -> Result<(), StartupError> {
+    let cap = sizes.record_batch_cap();
+    if cap > limit.bytes() {
+        return Err(StartupError::RecordBatches {
+            cap,
+            limit: limit.to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// The endpoint download URLs are signed for, or None when they are off.
@@ -273,6 +375,75 @@ mod tests {
             ("retention.ms", "1000"),
         ]);
         assert!(check_idempotency_ttl(1001, "t", &both).is_err());
+    }
+
+    #[test]
+    fn batches_and_the_largest_record_must_fit_the_topic_and_the_client() {
+        let topic = |bytes: usize| MessageLimit::Topic {
+            topic: "quire.records".into(),
+            bytes,
+        };
+        let mut settings = quire_config::defaults();
+        // The defaults fit Kafka's defaults (topic 1048588, client 1000000).
+        assert!(check_message_room(&settings, &topic(1_048_588)).is_ok());
+        assert!(check_message_room(&settings, &MessageLimit::Client(1_000_000)).is_ok());
+        settings.api.max_record_bytes = std::num::NonZero::new(100_000).unwrap();
+        let room = MESSAGE_ROOM;
+        assert!(check_message_room(&settings, &topic(262_144 + room)).is_ok());
+        let error = check_message_room(&settings, &topic(262_144 + room - 1))
+            .err()
+            .unwrap()
+            .to_string();
+        for needle in [
+            "api.batch_max_bytes (262144)",
+            "quire.records",
+            "max.message.bytes (263167",
+        ] {
+            assert!(error.contains(needle), "{needle:?} in {error}");
+        }
+        // A record past the batch bound goes alone: it and its frame must fit.
+        settings.api.batch_max_bytes = std::num::NonZero::new(1000).unwrap();
+        let limit = 100_000 + 4 + room;
+        assert!(check_message_room(&settings, &topic(limit)).is_ok());
+        let error = check_message_room(&settings, &topic(limit - 1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("api.max_record_bytes (100000)"), "{error}");
+        // The client's limit, from kafka.properties, is checked before
+        // anything connects.
+        let loopback: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let mut settings = quire_config::defaults();
+        settings.api.batch_max_bytes = std::num::NonZero::new(2 * 1024 * 1024).unwrap();
+        let error = check(&settings, loopback).err().unwrap().to_string();
+        assert!(
+            error.contains("api.batch_max_bytes (2097152)")
+                && error.contains("message.max.bytes (1000000"),
+            "{error}"
+        );
+        settings
+            .kafka
+            .properties
+            .insert("message_max_bytes".into(), "5000000".into());
+        assert!(check(&settings, loopback).is_ok());
+        // Several messages go in one record batch, up to batch.size and
+        // message.max.bytes: the topic must take that whole batch.
+        let sizes = quire_queue::producer_sizes(&quire_config::defaults().kafka).unwrap();
+        assert!(check_record_batches(&topic(1_048_588), sizes).is_ok());
+        let error = check_record_batches(&topic(999_999), sizes)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("up to 1000000 bytes") && error.contains("max.message.bytes (999999"),
+            "{error}"
+        );
+        settings
+            .kafka
+            .properties
+            .insert("message_max_bytes".into(), "lots".into());
+        let error = check(&settings, loopback).err().unwrap().to_string();
+        assert!(error.contains("message.max.bytes"), "{error}");
     }
 
     #[test]

@@ -8,6 +8,8 @@
 
 mod checks;
 
+pub use checks::MESSAGE_ROOM;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -87,6 +89,21 @@ pub enum StartupError {
         retention_ms: i64,
         topic: String,
     },
+    #[error(
+        "refusing to start: api.{key} ({value}) plus {room} bytes of room for its frame, key, headers and Kafka's framing does not fit under {limit}; lower api.{key} or raise that limit"
+    )]
+    MessageRoom {
+        key: &'static str,
+        value: usize,
+        room: usize,
+        limit: String,
+    },
+    #[error(
+        "refusing to start: the producers build record batches of up to {cap} bytes (the smaller of kafka.properties.batch.size and message.max.bytes), more than {limit} takes in one batch; lower kafka.properties.batch.size or raise that limit"
+    )]
+    RecordBatches { cap: usize, limit: String },
+    #[error("{0}")]
+    ProducerSizes(String),
     #[error("cannot start the transactional producers: {0}")]
     Producers(QueueError),
     #[error("refusing to start: {0}")]
@@ -245,6 +262,22 @@ async fn connect(
         idempotency_topic,
         &idempotency_config,
     )?;
+    // Every batch, and the largest record alone in its batch, must fit
+    // what the broker takes on the records topic.
+    let records_config = quire_queue::topic_config(kafka, &kafka.topics.records)
+        .await
+        .map_err(StartupError::Topics)?;
+    match checks::topic_message_limit(&kafka.topics.records, &records_config) {
+        Some(limit) => {
+            checks::check_message_room(settings, &limit)?;
+            let sizes = quire_queue::producer_sizes(kafka).map_err(StartupError::ProducerSizes)?;
+            checks::check_record_batches(&limit, sizes)?;
+        }
+        None => tracing::warn!(
+            topic = %kafka.topics.records,
+            "the broker did not say the records topic's max.message.bytes; batches are not checked against it"
+        ),
+    }
     // The live count (the topic may have grown past kafka.partitions):
     // releases and look-ups cover every partition there is.
     let records_partitions = quire_queue::describe_topic(kafka, &kafka.topics.records)
@@ -272,7 +305,8 @@ async fn connect(
         .map_err(|error| StartupError::KeyLog(error.to_string()))?
     };
     let metrics = Arc::new(Metrics::new());
-    let records_topic = RecordsTopic::new(&kafka.topics.records);
+    let records_topic =
+        RecordsTopic::new(&kafka.topics.records, settings.api.batch_max_bytes.get());
     let publisher = Publisher::connect(
         kafka,
         &settings.api,
