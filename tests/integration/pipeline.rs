@@ -185,9 +185,14 @@ async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
         })
         .spawn();
     let stream = stream_name("roll");
-    // Past the count: the document ends at its 10th record without any cut
-    // request (decided inline: no marker, the id names that record).
-    api.send_ok(&stream, &records(&stream, 0, 12)).await;
+    // Past the count: the document ends at the batch message that brings it
+    // to 10 records without any cut request (decided inline: no marker, the
+    // id names that message). A request is one batch here, and a document
+    // never ends inside a batch: three requests put the count between the
+    // second and the third.
+    let first_batch = api.send_ok(&stream, &records(&stream, 0, 5)).await;
+    let second_batch = api.send_ok(&stream, &records(&stream, 5, 5)).await;
+    api.send_ok(&stream, &records(&stream, 10, 2)).await;
     let observed = stack
         .wait_for("a report by record count", LONG, |observed| {
             observed
@@ -227,7 +232,14 @@ async fn rollover_by_records_and_by_age_without_a_cut_and_an_empty_cut() {
     }
     let last = by_count.manifest["last_offset"].as_i64().unwrap();
     let first = by_count.manifest["first_offset"].as_i64().unwrap();
-    assert_eq!(last - first, 9, "ten records in a row, no marker between");
+    assert_eq!(
+        (first, last),
+        (
+            quire_tests::RecordId::parse(&first_batch[0]).offset,
+            quire_tests::RecordId::parse(&second_batch[9 - 5]).offset
+        ),
+        "from the first batch to the one that reaches the count, no marker between"
+    );
     // Under the count: the age cuts it.
     api.send_ok(&stream, &records(&stream, 12, 5)).await;
     let observed = stack
