@@ -96,6 +96,12 @@ pub(crate) fn producer_config(
     // CONCURRENT_TRANSACTIONS; librdkafka retries after retry.backoff.ms,
     // whose default (100 ms) would then bound us to ten transactions a second.
     set_default(&mut config, "retry.backoff.ms", "5");
+    // Batches compress well: measured by `quire-bench pipeline` (500,000
+    // records of 100 bytes, 8 streams), lz4 took the records topic from 104
+    // to 5.5 bytes per record on the broker's disk for 0.16 CPU-us per
+    // record more in the API (1.12 against 0.96). zstd is not built into
+    // this librdkafka. The user may still set it (`none` turns it off).
+    set_default(&mut config, "compression.type", "lz4");
     config
         .set("enable.idempotence", "true")
         .set("acks", "all")
@@ -314,6 +320,13 @@ mod tests {
     fn tuning_defaults_yield_to_the_user() {
         let config = producer_config(&settings_with("linger.ms", "5"), "t").unwrap();
         assert_eq!(config.get("linger.ms"), Some("5"));
+        assert_eq!(
+            config.get("compression.type"),
+            Some("lz4"),
+            "quire's default"
+        );
+        let config = producer_config(&settings_with("compression.type", "none"), "t").unwrap();
+        assert_eq!(config.get("compression.type"), Some("none"));
     }
 
     #[test]
