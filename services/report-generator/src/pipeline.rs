@@ -28,7 +28,9 @@ use crate::document::{DocumentWindow, RecordInput};
 use crate::partition::{PartitionState, StreamWindow};
 use crate::watermarks::Loaded;
 use crate::worker::outbox::{Outbox, on_topic};
+use letters::{Letter, every_record_a_letter, render_all};
 
+mod letters;
 mod moves;
 #[cfg(test)]
 mod properties;
@@ -740,85 +742,6 @@ impl<S: DocumentStore> PartitionPipeline<S> {
         }
         self.state.dead_letters.published(message.offset);
     }
-}
-
-/// A dead letter to publish: the record's place in its batch (`None`: the
-/// whole message), its body and why.
-struct Letter<'a> {
-    index: Option<u32>,
-    body: &'a [u8],
-    reason: String,
-}
-
-/// Renders a message's records into `document` (see [`Document::render`]):
-/// what rendered, and a dead letter for each record that did not. Nearly
-/// every record renders straight from its text; the rest are parsed first,
-/// which renders them or says why not.
-fn render_all<'a, D: Document>(
-    document: &mut D,
-    texts: RecordTexts<'a>,
-    fields: &mut Vec<u8>,
-) -> (decide::Rendered, Vec<Letter<'a>>) {
-    let batch = matches!(texts, RecordTexts::Batch(_));
-    let place = |index: usize| batch.then(|| u32::try_from(index).unwrap_or(u32::MAX));
-    let mut rendered = decide::Rendered {
-        records: 0,
-        bytes: 0,
-        batch,
-    };
-    let mut letters = Vec::new();
-    for (index, text) in texts.enumerate() {
-        let text = match text {
-            Ok(text) => text,
-            Err(reason) => {
-                letters.push(Letter {
-                    index: place(index),
-                    body: &[],
-                    reason: format!("batch message is truncated: {reason}"),
-                });
-                break;
-            }
-        };
-        fields.clear();
-        let result = if quire_xml::render_fields(fields, text) {
-            document
-                .render(RecordInput::Rendered { text, fields })
-                .map_err(|error| format!("record cannot be rendered: {error}"))
-        } else {
-            match serde_json::from_slice::<serde_json::Value>(text) {
-                Ok(record) => document
-                    .render(RecordInput::Parsed(&record))
-                    .map_err(|error| format!("record cannot be rendered: {error}")),
-                Err(error) => Err(format!("record is not JSON: {error}")),
-            }
-        };
-        match result {
-            Ok(bytes) => {
-                rendered.records += 1;
-                rendered.bytes += bytes as u64;
-            }
-            Err(reason) => letters.push(Letter {
-                index: place(index),
-                body: text,
-                reason,
-            }),
-        }
-    }
-    (rendered, letters)
-}
-
-/// Every record of a message as a dead letter, for `reason`.
-fn every_record_a_letter<'a>(texts: &RecordTexts<'a>, reason: &str) -> Vec<Letter<'a>> {
-    let batch = matches!(texts, RecordTexts::Batch(_));
-    texts
-        .clone()
-        .enumerate()
-        .map(|(index, text)| Letter {
-            index: batch.then(|| u32::try_from(index).unwrap_or(u32::MAX)),
-            body: text.unwrap_or_default(),
-            reason: reason.to_owned(),
-        })
-        .collect()
 }
 
 /// A document of `window` under `schedule` that follows `documents` of it:
