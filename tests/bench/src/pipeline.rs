@@ -3,13 +3,17 @@
 //! generator (the real release binaries) on this machine, against plain
 //! librdkafka produce and consume of the same records as the ceilings.
 //!
-//! Scenarios, in one run:
+//! Each row gives CPU per record per service, the records topic's bytes on
+//! the broker's disk per record (after ingest alone) and the services' peak
+//! RSS. Scenarios, in one run:
 //! 1. ingest alone: every record over HTTP, no worker running;
 //! 2. worker alone: every stream cut, then one `report-generator --drain` on
 //!    what ingest queued, until it exits 0 (render, upload, commit);
 //! 3. end to end: on fresh topics and bucket, a serving worker first, then
 //!    the records as in (1), every stream cut, until every record is in a
-//!    completed report;
+//!    completed report; then again with the same records over
+//!    `--many-streams` streams (1,000 by default: many more, smaller
+//!    reports), its rate against (3)'s and the worker's CPU per report;
 //! 4. the ceilings: plain idempotent produce (acks=all, no transactions) and
 //!    a plain consume of the same record bytes, on 12 partitions; and the
 //!    batch ceiling, plain produce of the same records framed as batch
@@ -83,6 +87,10 @@ pub struct PipelineArgs {
     /// The same for the report generator.
     #[arg(long)]
     baseline_worker: Option<PathBuf>,
+    /// Streams of the second end to end scenario, the same records spread
+    /// over many streams (so many more, smaller reports); 0 leaves it out.
+    #[arg(long, default_value_t = 1_000)]
+    many_streams: usize,
     /// The producer API's `compression.type` (none, lz4, zstd, gzip,
     /// snappy), for both builds; its own default when absent.
     #[arg(long)]
@@ -114,6 +122,27 @@ struct Row {
     worker_cpu: Option<Duration>,
     /// Bytes the records topic takes on the broker's disk afterwards.
     disk_bytes: Option<u64>,
+    /// Peak resident memory (VmHWM) of the API and of the report
+    /// generator at the scenario's end, where they ran.
+    api_rss: Option<u64>,
+    worker_rss: Option<u64>,
+    /// Reports completed in the scenario, where it counts them.
+    reports: Option<usize>,
+}
+
+/// The peak resident memory of process `pid` so far (VmHWM), in bytes;
+/// `None` once it has exited.
+fn peak_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib * 1024)
 }
 
 /// Bytes of the log segments of `topic` under Kafka's log directory
@@ -231,8 +260,8 @@ fn record(stream: &str, seq: u64, size: usize) -> Vec<u8> {
 impl Workload {
     /// Request `i` goes to stream `i % streams`; each stream's `seq` counts
     /// from 0 in the order its requests are built.
-    fn build(args: &PipelineArgs) -> Workload {
-        let streams: Vec<String> = (0..args.streams).map(stream_name).collect();
+    fn build(args: &PipelineArgs, streams: usize) -> Workload {
+        let streams: Vec<String> = (0..streams).map(stream_name).collect();
         let mut next_seq = vec![0_u64; streams.len()];
         let mut requests = Vec::new();
         let mut messages = Vec::with_capacity(args.records);
@@ -293,7 +322,8 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
             baseline.display()
         );
     }
-    let workload = Arc::new(Workload::build(&args));
+    let workload = Arc::new(Workload::build(&args, args.streams));
+    let many = (args.many_streams > 0).then(|| Arc::new(Workload::build(&args, args.many_streams)));
     eprintln!(
         "pipeline benchmark: {} records of ~{} bytes ({} bytes each as sent), {} streams, \
          {} connections, arrays of {} ({} requests)",
@@ -308,7 +338,7 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
     let mut runs: Vec<Vec<Row>> = Vec::new();
     for run in 1..=args.runs {
         eprintln!("run {run} of {}", args.runs);
-        runs.push(one_run(&args, &workload, limit, run).await?);
+        runs.push(one_run(&args, &workload, many.as_ref(), limit, run).await?);
     }
     report(&runs);
     Ok(())
@@ -318,6 +348,7 @@ pub async fn run(args: PipelineArgs) -> anyhow::Result<()> {
 async fn one_run(
     args: &PipelineArgs,
     workload: &Arc<Workload>,
+    many: Option<&Arc<Workload>>,
     limit: Duration,
     run: u64,
 ) -> anyhow::Result<Vec<Row>> {
@@ -339,6 +370,9 @@ async fn one_run(
             api_cpu: None,
             worker_cpu: None,
             disk_bytes: None,
+            api_rss: None,
+            worker_rss: None,
+            reports: None,
         });
         eprintln!("  ceiling produce: {seconds:.3} s");
         let batches = TestTopic::create("bench-pipeline-batches", args.ceiling_partitions).await;
@@ -355,6 +389,9 @@ async fn one_run(
             api_cpu: None,
             worker_cpu: None,
             disk_bytes: None,
+            api_rss: None,
+            worker_rss: None,
+            reports: None,
         });
         eprintln!(
             "  ceiling produce, batches: {seconds:.3} s, {} messages",
@@ -377,6 +414,9 @@ async fn one_run(
             api_cpu: None,
             worker_cpu: None,
             disk_bytes: None,
+            api_rss: None,
+            worker_rss: None,
+            reports: None,
         });
         eprintln!("  ceiling consume: {seconds:.3} s");
     }
@@ -395,15 +435,17 @@ async fn one_run(
         if builds == Builds::Baseline {
             eprintln!("  with the baseline builds:");
         }
-        rows.extend(scenarios(args, workload, limit, builds).await?);
+        rows.extend(scenarios(args, workload, many, limit, builds).await?);
     }
     Ok(rows)
 }
 
-/// Scenarios 1 to 3 with `builds` of the services.
+/// Scenarios 1 to 3 with `builds` of the services, and 3 again over
+/// `many` streams.
 async fn scenarios(
     args: &PipelineArgs,
     workload: &Arc<Workload>,
+    many: Option<&Arc<Workload>>,
     limit: Duration,
     builds: Builds,
 ) -> anyhow::Result<Vec<Row>> {
@@ -432,6 +474,9 @@ async fn scenarios(
             api_cpu: Some(api_cpu),
             worker_cpu: None,
             disk_bytes: Some(disk_bytes),
+            api_rss: peak_rss(api.pid),
+            worker_rss: None,
+            reports: None,
         });
         eprintln!("  ingest alone: {seconds:.3} s");
         for stream in &workload.streams {
@@ -463,6 +508,9 @@ async fn scenarios(
             // Its whole life, start-up and take-over included.
             worker_cpu: Some(worker.cpu),
             disk_bytes: None,
+            api_rss: None,
+            worker_rss: Some(worker.peak_rss),
+            reports: None,
         });
         eprintln!(
             "  worker alone: {seconds:.3} s, {} reports",
@@ -470,99 +518,119 @@ async fn scenarios(
         );
     }
 
-    // 3: end to end on a fresh stack, a worker already serving.
-    {
-        let stack = TestStack::create("bench-pipeline-e2e").await;
-        let api = start_api(&stack, limit, api_binary, args).await?;
-        let spawned = Instant::now();
-        let mut worker = spawn_worker(&stack, "bench-serve", false, worker_binary)?;
-        wait_for_member(&stack.group, &mut worker, limit).await?;
-        // A serving worker has its partitions in hand: one record of a
-        // stream of its own, cut, and its report completed, prove it (the
-        // start-up and the take-over are not part of the end to end time).
-        let mut manifests = Manifests::default();
-        let warm_up = "bench-warm-up".to_owned();
-        api.client
-            .send(
-                &warm_up,
-                Bytes::from(format!(
-                    "[{}]",
-                    String::from_utf8(record(&warm_up, 0, 100))?
-                )),
-            )
-            .await?;
-        api.client.cut(&warm_up).await?;
-        while manifests.refresh(&stack).await? < 1 {
-            if let Some(code) = worker.exited()? {
-                bail!("the serving report-generator exited with {code:?} during the warm-up");
-            }
-            ensure!(
-                spawned.elapsed() < limit,
-                "the serving report-generator did not complete the warm-up report within {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // 3: end to end, and again over many streams.
+    let binaries = (api_binary, worker_binary);
+    let e2e = "end to end (HTTP -> completed reports in S3)";
+    rows.push(end_to_end(args, workload, limit, builds, binaries, e2e).await?);
+    if let Some(many) = many {
+        let name = "end to end, many streams (--many-streams)";
+        rows.push(end_to_end(args, many, limit, builds, binaries, name).await?);
+    }
+    Ok(rows)
+}
+
+/// Scenario 3: end to end on a fresh stack, a worker already serving,
+/// `workload` sent and cut; its row named `name`.
+async fn end_to_end(
+    args: &PipelineArgs,
+    workload: &Arc<Workload>,
+    limit: Duration,
+    builds: Builds,
+    (api_binary, worker_binary): (Option<&std::path::Path>, Option<&std::path::Path>),
+    name: &'static str,
+) -> anyhow::Result<Row> {
+    let stack = TestStack::create("bench-pipeline-e2e").await;
+    let api = start_api(&stack, limit, api_binary, args).await?;
+    let spawned = Instant::now();
+    let mut worker = spawn_worker(&stack, "bench-serve", false, worker_binary)?;
+    wait_for_member(&stack.group, &mut worker, limit).await?;
+    // A serving worker has its partitions in hand: one record of a
+    // stream of its own, cut, and its report completed, prove it (the
+    // start-up and the take-over are not part of the end to end time).
+    let mut manifests = Manifests::default();
+    let warm_up = "bench-warm-up".to_owned();
+    api.client
+        .send(
+            &warm_up,
+            Bytes::from(format!(
+                "[{}]",
+                String::from_utf8(record(&warm_up, 0, 100))?
+            )),
+        )
+        .await?;
+    api.client.cut(&warm_up).await?;
+    while manifests.refresh(&stack).await? < 1 {
+        if let Some(code) = worker.exited()? {
+            bail!("the serving report-generator exited with {code:?} during the warm-up");
         }
-        eprintln!(
-            "  end to end: the serving worker started, joined, took its partitions and \
-             completed a warm-up report in {:.3} s",
-            spawned.elapsed().as_secs_f64()
+        ensure!(
+            spawned.elapsed() < limit,
+            "the serving report-generator did not complete the warm-up report within {limit:?}"
         );
-        let api_before = cpu_time(api.pid)?;
-        let worker_before = cpu_time(worker.child.id())?;
-        let started = Instant::now();
-        ingest(&api.client, workload, args.connections, limit).await?;
-        let ingested = started.elapsed().as_secs_f64();
-        for stream in &workload.streams {
-            api.client.cut(stream).await?;
-        }
-        loop {
-            // Less the warm-up's record.
-            let reported = manifests.refresh(&stack).await? - 1;
-            if reported >= args.records as u64 {
-                ensure!(
-                    reported == args.records as u64,
-                    "end to end: the reports hold {reported} records, {} were sent",
-                    args.records
-                );
-                break;
-            }
-            if let Some(code) = worker.exited()? {
-                bail!("the serving report-generator exited with {code:?} at {reported} records");
-            }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "  end to end: the serving worker started, joined, took its partitions and \
+         completed a warm-up report in {:.3} s",
+        spawned.elapsed().as_secs_f64()
+    );
+    let api_before = cpu_time(api.pid)?;
+    let worker_before = cpu_time(worker.child.id())?;
+    let started = Instant::now();
+    ingest(&api.client, workload, args.connections, limit).await?;
+    let ingested = started.elapsed().as_secs_f64();
+    for stream in &workload.streams {
+        api.client.cut(stream).await?;
+    }
+    loop {
+        // Less the warm-up's record.
+        let reported = manifests.refresh(&stack).await? - 1;
+        if reported >= args.records as u64 {
             ensure!(
-                started.elapsed() < limit,
-                "end to end: only {reported} of {} records reported after {limit:?}",
+                reported == args.records as u64,
+                "end to end: the reports hold {reported} records, {} were sent",
                 args.records
             );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            break;
         }
-        let seconds = started.elapsed().as_secs_f64();
-        let api_cpu = cpu_time(api.pid)? - api_before;
-        let worker_cpu = cpu_time(worker.child.id())? - worker_before;
-        let mut streams = workload.streams.clone();
-        streams.push(warm_up);
-        manifests.check_streams(&streams)?;
-        rows.push(Row {
-            name: "end to end (HTTP -> completed reports in S3)",
-            records: args.records,
-            seconds,
-            builds,
-            api_cpu: Some(api_cpu),
-            worker_cpu: Some(worker_cpu),
-            disk_bytes: None,
-        });
-        eprintln!(
-            "  end to end: {seconds:.3} s (ingest part {ingested:.3} s), {} reports",
-            manifests.read.len() - 1
-        );
-        let code = worker.terminate(Duration::from_secs(60)).await?;
+        if let Some(code) = worker.exited()? {
+            bail!("the serving report-generator exited with {code:?} at {reported} records");
+        }
         ensure!(
-            code == Some(0),
-            "the serving report-generator exited with {code:?} on SIGTERM"
+            started.elapsed() < limit,
+            "end to end: only {reported} of {} records reported after {limit:?}",
+            args.records
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-
-    Ok(rows)
+    let seconds = started.elapsed().as_secs_f64();
+    let api_cpu = cpu_time(api.pid)? - api_before;
+    let worker_cpu = cpu_time(worker.child.id())? - worker_before;
+    let mut streams = workload.streams.clone();
+    streams.push(warm_up);
+    manifests.check_streams(&streams)?;
+    let row = Row {
+        name,
+        records: args.records,
+        seconds,
+        builds,
+        api_cpu: Some(api_cpu),
+        worker_cpu: Some(worker_cpu),
+        disk_bytes: None,
+        api_rss: peak_rss(api.pid),
+        worker_rss: peak_rss(worker.child.id()),
+        reports: Some(manifests.read.len() - 1),
+    };
+    eprintln!(
+        "  {name}: {seconds:.3} s (ingest part {ingested:.3} s), {} reports",
+        manifests.read.len() - 1
+    );
+    let code = worker.terminate(Duration::from_secs(60)).await?;
+    ensure!(
+        code == Some(0),
+        "the serving report-generator exited with {code:?} on SIGTERM"
+    );
+    Ok(row)
 }
 
 /// Each run's table, then one line of medians.
@@ -572,7 +640,7 @@ fn report(runs: &[Vec<Row>]) {
             .unwrap_or_else(|| "-".to_owned())
     };
     println!(
-        "{:<4} {:<70} {:>9} {:>8} {:>10} {:>12} {:>12} {:>10}",
+        "{:<4} {:<70} {:>9} {:>8} {:>10} {:>12} {:>12} {:>10} {:>11} {:>11}",
         "run",
         "scenario",
         "records",
@@ -580,8 +648,15 @@ fn report(runs: &[Vec<Row>]) {
         "records/s",
         "api cpu-us/r",
         "wkr cpu-us/r",
-        "disk B/r"
+        "disk B/r",
+        "api RSS MiB",
+        "wkr RSS MiB"
     );
+    let mib = |bytes: Option<u64>| {
+        bytes
+            .map(|bytes| format!("{}", bytes / (1024 * 1024)))
+            .unwrap_or_else(|| "-".to_owned())
+    };
     for (index, rows) in runs.iter().enumerate() {
         for row in rows {
             let name = match row.builds {
@@ -589,7 +664,7 @@ fn report(runs: &[Vec<Row>]) {
                 Builds::Baseline => format!("{} [baseline]", row.name),
             };
             println!(
-                "{:<4} {:<70} {:>9} {:>8.3} {:>10.0} {:>12} {:>12} {:>10}",
+                "{:<4} {:<70} {:>9} {:>8.3} {:>10.0} {:>12} {:>12} {:>10} {:>11} {:>11}",
                 index + 1,
                 name,
                 row.records,
@@ -600,6 +675,8 @@ fn report(runs: &[Vec<Row>]) {
                 row.disk_bytes
                     .map(|bytes| format!("{:.1}", bytes as f64 / row.records as f64))
                     .unwrap_or_else(|| "-".to_owned()),
+                mib(row.api_rss),
+                mib(row.worker_rss),
             );
         }
     }
@@ -623,6 +700,36 @@ fn report(runs: &[Vec<Row>]) {
         rate("ceiling produce, batch")(rows) / rate("ceiling produce")(rows)
     });
     let worker_records_per_s = median_of(&rate("worker alone"));
+    // The most any run's workspace build held, in any scenario.
+    let peak_of = |rss: fn(&Row) -> Option<u64>| {
+        runs.iter()
+            .flatten()
+            .filter(|row| row.builds == Builds::Workspace)
+            .filter_map(rss)
+            .max()
+            .unwrap_or_default()
+            / (1024 * 1024)
+    };
+    let api_peak_rss_mib = peak_of(|row| row.api_rss);
+    // Over many streams: the rate against the 8-stream end to end of the
+    // same run, and the worker's CPU per report.
+    let mut many = String::new();
+    if runs[0]
+        .iter()
+        .any(|row| row.name.starts_with("end to end, many"))
+    {
+        let many_over =
+            median_of(&|rows: &[Row]| rate("end to end, many")(rows) / rate("end to end (")(rows));
+        let per_report = median_of(&|rows: &[Row]| {
+            let row = &rows[find(rows, "end to end, many")];
+            row.worker_cpu.unwrap_or_default().as_secs_f64() * 1e3
+                / row.reports.unwrap_or(1).max(1) as f64
+        });
+        many = format!(
+            " many_streams_e2e_over_e2e={many_over:.2} many_streams_worker_cpu_ms_per_report={per_report:.3}"
+        );
+    }
+    let worker_peak_rss_mib = peak_of(|row| row.worker_rss);
     let disk_per_record = median_of(&|rows: &[Row]| {
         let row = &rows[find(rows, "ingest alone")];
         row.disk_bytes.unwrap_or_default() as f64 / row.records as f64
@@ -678,7 +785,8 @@ fn report(runs: &[Vec<Row>]) {
          worker_over_ceiling={worker_over_ceiling:.2} api_cpu_us_per_record={api_cpu:.2} \
          worker_cpu_us_per_record={worker_cpu:.2} worker_records_per_s={worker_records_per_s:.0} \
          e2e_over_ceiling={e2e_over_ceiling:.2} disk_bytes_per_record={disk_per_record:.1} \
-         batch_ceiling_over_ceiling={batch_ceiling_over_ceiling:.2}{baseline}",
+         api_peak_rss_mib={api_peak_rss_mib} worker_peak_rss_mib={worker_peak_rss_mib} \
+         batch_ceiling_over_ceiling={batch_ceiling_over_ceiling:.2}{many}{baseline}",
         runs.len()
     );
 }
@@ -881,7 +989,8 @@ async fn start_api(
     binary: Option<&std::path::Path>,
     args: &PipelineArgs,
 ) -> anyhow::Result<Api> {
-    let streams = args.streams;
+    // Cuts are rate-limited per principal: room for every stream's.
+    let streams = args.streams.max(args.many_streams);
     let mut launch = stack.api();
     if let Some(compression) = &args.compression {
         launch
@@ -936,6 +1045,9 @@ struct Service {
     /// it has exited: an exited child's `/proc` entry holds its final
     /// times until it is reaped).
     cpu: Duration,
+    /// Its peak resident memory when last looked at (a process that has
+    /// exited has none left to read).
+    peak_rss: u64,
 }
 
 impl Service {
@@ -944,6 +1056,7 @@ impl Service {
             child: command.spawn().with_context(|| format!("start {name}"))?,
             name,
             cpu: Duration::ZERO,
+            peak_rss: 0,
         })
     }
 
@@ -951,6 +1064,9 @@ impl Service {
     fn exited(&mut self) -> anyhow::Result<Option<Option<i32>>> {
         if let Ok(cpu) = cpu_time(self.child.id()) {
             self.cpu = cpu;
+        }
+        if let Some(rss) = peak_rss(self.child.id()) {
+            self.peak_rss = self.peak_rss.max(rss);
         }
         Ok(self.child.try_wait()?.map(|status| status.code()))
     }
