@@ -19,7 +19,7 @@ use quire_config::KafkaSettings;
 use quire_queue::TopicSpec;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
 /// Where the stack's Kafka is, from `eval "$(deploy/local/stack env)"`.
@@ -279,20 +279,7 @@ pub fn read_all(
                     partition: message.partition(),
                     offset: message.offset(),
                     key: message.key().map(<[u8]>::to_vec),
-                    headers: message
-                        .headers()
-                        .map(|headers| {
-                            headers
-                                .iter()
-                                .map(|header| {
-                                    (
-                                        header.key.to_owned(),
-                                        header.value.map(<[u8]>::to_vec).unwrap_or_default(),
-                                    )
-                                })
-                                .collect()
-                        })
-                        .unwrap_or_default(),
+                    headers: quire_queue::owned_headers(&message),
                     payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
                     timestamp_ms: message.timestamp().to_millis(),
                 });

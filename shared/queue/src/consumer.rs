@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use quire_config::KafkaSettings;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::client::consumer_config;
@@ -709,11 +709,11 @@ fn offset_list(
     Ok(list)
 }
 
-pub(crate) fn owned(
-    topic: &Arc<str>,
-    message: &rdkafka::message::BorrowedMessage<'_>,
-) -> InMessage {
-    let headers = message
+/// A message's headers as owned `(name, value)` pairs (an absent value as
+/// empty), in order.
+pub fn owned_headers<M: Message>(message: &M) -> Vec<(String, Vec<u8>)> {
+    use rdkafka::message::Headers;
+    message
         .headers()
         .map(|headers| {
             headers
@@ -726,7 +726,14 @@ pub(crate) fn owned(
                 })
                 .collect()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+pub(crate) fn owned(
+    topic: &Arc<str>,
+    message: &rdkafka::message::BorrowedMessage<'_>,
+) -> InMessage {
+    let headers = owned_headers(message);
     InMessage {
         topic: Arc::clone(topic),
         partition: message.partition(),

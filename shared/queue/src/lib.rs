@@ -41,7 +41,7 @@ pub use admin::{
 pub use client::{PROTECTED_PROPERTIES, ProducerSizes, producer_sizes};
 pub use consumer::{
     Array, ArrayBounds, ArrayConsumer, ArrayEnd, CommitOutcome, ConsumerOptions, DrainExit,
-    DrainSummary, TransactionOutcome,
+    DrainSummary, TransactionOutcome, owned_headers,
 };
 pub use context::{PartitionProgress, RebalanceEvent};
 pub use describe::{TopicIdentity, describe_topic, describe_topic_blocking, partition_for_key};

@@ -7,7 +7,6 @@ use std::num::NonZeroUsize;
 
 use producer_api::StartupError;
 use quire_tests::{RecordId, TestStack, records_of, unique};
-use serde_json::Value;
 
 use super::committed_messages;
 
@@ -43,16 +42,8 @@ async fn a_request_past_the_bound_lands_as_several_bounded_batches_and_each_id_n
         })
         .collect();
     let body = format!("[{}]", texts.join(",\n"));
-    let response = api
-        .http
-        .post(api.url(&format!("/v1/streams/{stream}/records")))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .expect("records answer");
-    assert_eq!(response.status().as_u16(), 200);
-    let answer: Value = response.json().await.expect("JSON answer");
+    let (status, answer) = api.send_body(&stream, body).await;
+    assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["count"], 61);
     let ids = RecordId::all_of(&answer);
     assert_eq!(ids.len(), texts.len());
@@ -197,16 +188,7 @@ async fn the_api_refuses_to_start_when_a_batch_could_pass_the_topics_max_message
         .chain((1..200).map(|seq| text(seq, 900)))
         .collect();
     let body = format!("[{}]", texts.join(","));
-    let response = api
-        .http
-        .post(api.url(&format!("/v1/streams/{stream}/records")))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .expect("records answer");
-    let status = response.status().as_u16();
-    let answer: Value = response.json().await.unwrap_or(Value::Null);
+    let (status, answer) = api.send_body(&stream, body).await;
     assert_eq!(status, 200, "{answer}");
     let messages = committed_messages(&stack, &stream);
     assert!(messages.len() >= 4, "{} messages", messages.len());
