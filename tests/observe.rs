@@ -64,10 +64,12 @@ impl TestStack {
             }
             assert!(
                 Instant::now() < deadline,
-                "timed out waiting for {what}: {} events, {} reports, {} dead letters",
+                "timed out waiting for {what}: {} events, {} reports, {} dead letters; \
+                 reports without an event: {:#?}",
                 observed.events.len(),
                 observed.reports.len(),
-                observed.dead_letters.len()
+                observed.dead_letters.len(),
+                observed.unannounced()
             );
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
@@ -222,11 +224,22 @@ impl Observed {
     /// Every stored report has its event (none is between its S3 write and
     /// its transaction).
     pub fn settled(&self) -> bool {
-        self.reports.keys().all(|id| {
-            self.events
-                .iter()
-                .any(|event| event["report_id"].as_str() == Some(id.as_str()))
-        })
+        self.unannounced().is_empty()
+    }
+
+    /// The manifests of the stored reports that no event announces (a
+    /// settled observation has none).
+    pub fn unannounced(&self) -> Vec<&Value> {
+        self.reports
+            .iter()
+            .filter(|(id, _)| {
+                !self
+                    .events
+                    .iter()
+                    .any(|event| event["report_id"].as_str() == Some(id.as_str()))
+            })
+            .map(|(_, report)| &report.manifest)
+            .collect()
     }
 
     /// The `seq` values of every record in every report of `stream`, in
