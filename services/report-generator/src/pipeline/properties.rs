@@ -10,7 +10,14 @@
 //! - any replay from a committed point (the run stopped before committing
 //!   any of its arrays, then a new owner takes the partition over from what
 //!   was committed, with other arrays) commits the same reports and dead
-//!   letters as the run that never stopped: none lost, none twice.
+//!   letters as the run that never stopped: none lost, none twice; and
+//!   every report a stopped owner had already written (its objects are in
+//!   S3, its event was never committed) is committed by a later owner with
+//!   the same id and bytes, so none stays in the bucket unannounced.
+//!
+//! The log mixes records, batches, cuts, definition changes (windows that
+//! report empty ones or skip them), window markers early and late, and
+//! quiet gaps longer than a window.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -216,8 +223,19 @@ enum Entry {
     NoKind { stream: u8 },
     /// An explicit cut.
     Cut { stream: u8 },
-    /// A definition change: another root element, or 10 s windows.
-    Define { stream: u8, windowed: bool },
+    /// A definition change: another root element, or 10 s windows (that
+    /// report empty windows, or skip them).
+    Define {
+        stream: u8,
+        windowed: bool,
+        skip_empty: bool,
+    },
+    /// The marker of the window `back` windows before the one of its log
+    /// time (`back` 0: early), as a worker's clock publishes them.
+    WindowMarker { stream: u8, back: u8 },
+    /// `seconds` without a message, then a record of a stream that is
+    /// never defined (the partition's other traffic).
+    Quiet { seconds: u8 },
 }
 
 fn entry() -> impl Strategy<Value = Entry> {
@@ -231,12 +249,43 @@ fn entry() -> impl Strategy<Value = Entry> {
         1 => stream.clone().prop_map(|stream| Entry::Newer { stream }),
         1 => stream.clone().prop_map(|stream| Entry::NoKind { stream }),
         2 => stream.clone().prop_map(|stream| Entry::Cut { stream }),
-        1 => (stream, any::<bool>()).prop_map(|(stream, windowed)| Entry::Define { stream, windowed }),
+        1 => (stream.clone(), any::<bool>(), any::<bool>())
+            .prop_map(|(stream, windowed, skip_empty)| Entry::Define { stream, windowed, skip_empty }),
+        3 => (stream, 0u8..4).prop_map(|(stream, back)| Entry::WindowMarker { stream, back }),
+        1 => (5u8..40).prop_map(|seconds| Entry::Quiet { seconds }),
     ]
 }
 
 /// The log as the worker reads it: partition 0, one message a second.
+/// The window of every windowed definition the generated log holds.
+fn window_spec(skip_empty: bool) -> WindowSpec {
+    WindowSpec {
+        every: "10s".into(),
+        time_zone: "UTC".into(),
+        grace: "1s".into(),
+        skip_empty,
+    }
+}
+
+/// The log time of each entry: a second after the one before, and the
+/// quiet entries' gaps.
+fn log_times(entries: &[Entry]) -> Vec<i64> {
+    let mut time = 1_000_000;
+    entries
+        .iter()
+        .map(|entry| {
+            time += 1_000;
+            if let Entry::Quiet { seconds } = entry {
+                time += 1_000 * i64::from(*seconds);
+            }
+            time
+        })
+        .collect()
+}
+
 fn messages(entries: &[Entry]) -> Vec<InMessage> {
+    let schedule = window_spec(false).schedule().unwrap();
+    let times = log_times(entries);
     entries
         .iter()
         .enumerate()
@@ -284,16 +333,23 @@ fn messages(entries: &[Entry]) -> Vec<InMessage> {
                     message
                 }
                 Entry::Cut { stream } => records::cut(&name(stream), &CutMarker::explicit()),
-                Entry::Define { stream, windowed } => {
+                Entry::Quiet { .. } => record(&3, format!(r#"{{"n":{offset}}}"#)),
+                Entry::WindowMarker { stream, back } => {
+                    let mut window = schedule.window_of(times[offset]);
+                    for _ in 0..*back {
+                        window = schedule.window_of(window.start_ms - 1);
+                    }
+                    records::cut(&name(stream), &CutMarker::window(window))
+                }
+                Entry::Define {
+                    stream,
+                    windowed,
+                    skip_empty,
+                } => {
                     let definition = if *windowed {
                         Definition {
                             v: Definition::WINDOW_VERSION,
-                            window: Some(WindowSpec {
-                                every: "10s".into(),
-                                time_zone: "UTC".into(),
-                                grace: "1s".into(),
-                                skip_empty: false,
-                            }),
+                            window: Some(window_spec(*skip_empty)),
                             ..Definition::default()
                         }
                     } else {
@@ -312,17 +368,24 @@ fn messages(entries: &[Entry]) -> Vec<InMessage> {
                 key: message.key.take(),
                 payload: Some(message.payload),
                 headers: message.headers,
-                timestamp_ms: Some(1_000_000 + 1_000 * offset as i64),
+                timestamp_ms: Some(times[offset]),
             }
         })
         .collect()
 }
 
+/// A report: its id, boundaries, records, trigger and content hash.
+type ReportRow = (String, i64, i64, u64, Trigger, String);
+
 /// What the committed transactions hold, in order.
 #[derive(Default)]
 struct Committed {
-    /// Each report: its id, boundaries, records, trigger and content hash.
-    reports: Vec<(String, i64, i64, u64, Trigger, String)>,
+    /// Each report, in commit order.
+    reports: Vec<ReportRow>,
+    /// Reports an owner completed (its objects are in S3) in the array it
+    /// stopped in, before any commit: a later owner must commit each one,
+    /// with the same id and bytes, or it stays in the bucket unannounced.
+    written: Vec<ReportRow>,
     /// Each dead letter: its offset, place in its batch and reason.
     dead_letters: Vec<(i64, Option<u32>, String)>,
     /// The watermark topic (partition 0), as a new owner reads it.
@@ -359,24 +422,31 @@ fn run(
             futures::executor::block_on(pipeline.process(&context, message, &mut outbox)).unwrap();
         }
         next = end;
-        if stop_before == Some(arrays) {
-            return;
-        }
-        arrays += 1;
-        let point = pipeline.commit_point().expect("an array was read");
-        for message in &outbox.messages {
-            let payload = message.payload.as_slice();
-            if &*message.topic == TOPICS[1] {
-                let event = events::read_report_event(payload).unwrap();
-                committed.reports.push((
+        let reports = outbox
+            .messages
+            .iter()
+            .filter(|message| &*message.topic == TOPICS[1])
+            .map(|message| {
+                let event = events::read_report_event(message.payload.as_slice()).unwrap();
+                (
                     event.report_id.to_string(),
                     event.first_offset,
                     event.last_offset,
                     event.records,
                     event.trigger,
                     event.sha256,
-                ));
-            } else if &*message.topic == TOPICS[3] {
+                )
+            });
+        if stop_before == Some(arrays) {
+            committed.written.extend(reports);
+            return;
+        }
+        committed.reports.extend(reports);
+        arrays += 1;
+        let point = pipeline.commit_point().expect("an array was read");
+        for message in &outbox.messages {
+            let payload = message.payload.as_slice();
+            if &*message.topic == TOPICS[3] {
                 let letter = events::read_dead_letter(payload).unwrap();
                 committed
                     .dead_letters
@@ -454,5 +524,11 @@ proptest! {
         prop_assert_eq!(&replayed.reports, &expected.reports);
         prop_assert_eq!(&replayed.dead_letters, &expected.dead_letters);
         prop_assert_eq!(replayed.offset, expected.offset);
+        for written in &replayed.written {
+            prop_assert!(
+                replayed.reports.contains(written),
+                "a stopped owner wrote {:?}, which no later owner committed", written
+            );
+        }
     }
 }
