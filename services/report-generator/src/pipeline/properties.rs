@@ -238,8 +238,12 @@ enum Entry {
     Quiet { seconds: u8 },
 }
 
+/// Streams `s0` to `s2` are generated; this one only carries quiet
+/// entries' records, so it is never defined or cut.
+const OTHER_STREAM: u8 = 3;
+
 fn entry() -> impl Strategy<Value = Entry> {
-    let stream = 0u8..3;
+    let stream = 0u8..OTHER_STREAM;
     prop_oneof![
         12 => (stream.clone(), 0usize..700).prop_map(|(stream, size)| Entry::Record { stream, size }),
         6 => (stream.clone(), proptest::collection::vec(prop_oneof![9 => (0usize..300).prop_map(Some), 1 => Just(None)], 1..6))
@@ -256,7 +260,6 @@ fn entry() -> impl Strategy<Value = Entry> {
     ]
 }
 
-/// The log as the worker reads it: partition 0, one message a second.
 /// The window of every windowed definition the generated log holds.
 fn window_spec(skip_empty: bool) -> WindowSpec {
     WindowSpec {
@@ -283,6 +286,8 @@ fn log_times(entries: &[Entry]) -> Vec<i64> {
         .collect()
 }
 
+/// The log as the worker reads it: partition 0, a message a second and
+/// the quiet entries' gaps (see [`log_times`]).
 fn messages(entries: &[Entry]) -> Vec<InMessage> {
     let schedule = window_spec(false).schedule().unwrap();
     let times = log_times(entries);
@@ -333,7 +338,7 @@ fn messages(entries: &[Entry]) -> Vec<InMessage> {
                     message
                 }
                 Entry::Cut { stream } => records::cut(&name(stream), &CutMarker::explicit()),
-                Entry::Quiet { .. } => record(&3, format!(r#"{{"n":{offset}}}"#)),
+                Entry::Quiet { .. } => record(&OTHER_STREAM, format!(r#"{{"n":{offset}}}"#)),
                 Entry::WindowMarker { stream, back } => {
                     let mut window = schedule.window_of(times[offset]);
                     for _ in 0..*back {
