@@ -112,6 +112,7 @@ mod keys;
 mod names;
 mod render;
 mod stream;
+mod typed;
 
 pub use check::{FieldPart, ForbiddenCharacter, MAX_NESTING_DEPTH, RenderError, check_record};
 pub use clean::is_clean_record;
@@ -122,3 +123,4 @@ pub use render::{
     XML_SCHEMA_INSTANCE_NAMESPACE, check_definition,
 };
 pub use stream::render_fields;
+pub use typed::{TypeError, TypedCheck};
