@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::CURRENT_VERSION;
-use crate::fields::{Field, FieldsError, Undeclared, check_fields};
+use crate::fields::{Field, FieldKind, FieldsError, Undeclared, check_fields};
 use crate::key_template::{self, TemplateError};
 use crate::window::{WindowError, WindowSpec};
 
@@ -26,6 +26,13 @@ pub struct Definition {
     /// A default namespace for the document, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// A prefix for `namespace`: declared once on the root as
+    /// `xmlns:{prefix}`, and written on the root, record, header, summary
+    /// and total elements; the fields' elements are then in no namespace
+    /// (XML Schema's unqualified local elements). Without it the namespace
+    /// is the default one, and every element is in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
     /// Top-level fields written as attributes of the record element (when
     /// their value is a string, number, boolean or null) instead of children.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
@@ -87,6 +94,7 @@ impl Default for Definition {
             root: default_root(),
             record: default_record(),
             namespace: None,
+            prefix: None,
             attributes: BTreeSet::new(),
             renames: BTreeMap::new(),
             gzip: false,
@@ -138,6 +146,12 @@ pub enum DefinitionError {
     #[error(transparent)]
     Fields(#[from] FieldsError),
     #[error(
+        "attribute field {0:?} is declared as an object or repeated; only a single scalar can be an attribute"
+    )]
+    TypedAttribute(String),
+    #[error("prefix {0:?} needs a namespace to stand for")]
+    PrefixWithoutNamespace(String),
+    #[error(
         "typed fields, undeclared and totals need definition version {needed}; this release publishes up to version {newest}, so it refuses them rather than publish a definition it would not enforce"
     )]
     NotYetEnforced { needed: u32, newest: u32 },
@@ -164,7 +178,11 @@ impl Definition {
     /// everything it asks for, so definitions without gzip, windows or key
     /// templates stay readable by every release.
     pub fn required_version(&self) -> u32 {
-        if self.is_typed() || !self.totals.is_empty() || !self.undeclared.is_keep() {
+        if self.is_typed()
+            || !self.totals.is_empty()
+            || !self.undeclared.is_keep()
+            || self.prefix.is_some()
+        {
             Definition::TYPED_VERSION
         } else if self.window.is_some() || self.key_template.is_some() {
             Definition::WINDOW_VERSION
@@ -183,6 +201,18 @@ impl Definition {
     /// Checks that the definition can only produce well-formed XML.
     pub fn validate(&self) -> Result<(), DefinitionError> {
         check_fields(&self.fields, self.undeclared, &self.totals)?;
+        for field in &self.fields {
+            let scalar = field.kind != FieldKind::Object && !field.repeated;
+            if self.attributes.contains(&field.name) && !scalar {
+                return Err(DefinitionError::TypedAttribute(field.name.clone()));
+            }
+        }
+        if let Some(prefix) = &self.prefix {
+            check_name("prefix", prefix)?;
+            if self.namespace.is_none() {
+                return Err(DefinitionError::PrefixWithoutNamespace(prefix.clone()));
+            }
+        }
         check_name("root", &self.root)?;
         check_name("record", &self.record)?;
         if self.record == SUMMARY_ELEMENT {

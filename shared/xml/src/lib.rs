@@ -112,15 +112,19 @@ mod keys;
 mod names;
 mod render;
 mod stream;
+mod totals;
 mod typed;
+mod xsd;
 
 pub use check::{FieldPart, ForbiddenCharacter, MAX_NESTING_DEPTH, RenderError, check_record};
 pub use clean::is_clean_record;
 pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
 pub use render::{
-    DocumentRenderer, NESTED_ARRAY_ITEM_ELEMENT, Summary, SummaryWindow,
-    XML_SCHEMA_INSTANCE_NAMESPACE, check_definition,
+    DocumentRenderer, FieldTotal, NESTED_ARRAY_ITEM_ELEMENT, Summary, SummaryWindow,
+    XML_SCHEMA_INSTANCE_NAMESPACE, check_definition, schema_key,
 };
 pub use stream::render_fields;
-pub use typed::{TypeError, TypedCheck};
+pub use totals::Totals;
+pub use typed::{MAX_DIGITS, TypeError, TypedCheck};
+pub use xsd::{TOTAL_ELEMENT, schema_file_name, schema_for};

@@ -14,6 +14,9 @@ use serde_json::{Map, Value};
 
 use crate::check::{RenderError, first_forbidden_character, is_forbidden_character, record_fields};
 use crate::names::{encode_name, write_encoded_name};
+use crate::xsd::{TOTAL_ELEMENT, schema_file_name, schema_for};
+
+mod typed;
 
 /// The namespace of `xsi:nil`, declared on every root so that a null can be
 /// written wherever it occurs (the root is written before any record is seen).
@@ -38,6 +41,18 @@ pub struct Summary<'a> {
     pub first_offset: i64,
     pub last_offset: i64,
     pub report_id: &'a str,
+}
+
+/// One total of a document, for its summary: a declared numeric field's
+/// count of values, exact sum and extremes, as decimal text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldTotal {
+    pub field: String,
+    pub count: u64,
+    pub sum: String,
+    /// `None` while no value was counted.
+    pub min: Option<String>,
+    pub max: Option<String>,
 }
 
 /// The time window of a windowed stream's document, for its summary.
@@ -70,6 +85,29 @@ pub struct DocumentRenderer {
     /// The top-level fields named by the definition's attributes or renames.
     /// Empty for most definitions, which then skip every lookup.
     named_top_level_fields: BTreeMap<String, TopLevelField>,
+    /// `summary`, or `{prefix}:summary`.
+    summary_name: String,
+    /// `total`, or `{prefix}:total`.
+    total_name: String,
+    /// A typed definition's fields, written in their order.
+    typed: Option<TypedLayout>,
+}
+
+#[derive(Debug, Clone)]
+struct TypedLayout {
+    fields: Vec<quire_messages::fields::Field>,
+    keep_undeclared: bool,
+    /// The schema's namespace, if any, and its file name (see
+    /// [`crate::schema_file_name`]), for the root's `xsi:schemaLocation`.
+    namespace: Option<String>,
+    schema_file: String,
+}
+
+/// Where a document says its schema is: the key of the schema in the
+/// report's bucket, `schemas/{stream}/{file}` (the producer API serves the
+/// same bytes at `GET /v1/streams/{stream}/schemas/{file}`).
+pub fn schema_key(stream: &str, schema_file: &str) -> String {
+    format!("schemas/{stream}/{schema_file}")
 }
 
 #[derive(Debug, Clone)]
@@ -92,17 +130,31 @@ impl DocumentRenderer {
     /// as an attribute and write the other as an element), so a bad control
     /// message can never stop a worker.
     pub fn new(definition: &Definition) -> Self {
-        let root_name = definition_name(&definition.root);
-        let record_name = definition_name(&definition.record);
+        let usable_namespace = definition
+            .namespace
+            .as_ref()
+            .filter(|namespace| !RESERVED_NAMESPACES.contains(&namespace.as_str()));
+        let prefix = definition
+            .prefix
+            .as_deref()
+            .filter(|prefix| usable_namespace.is_some() && is_xml_name(prefix));
+        let qualified = |name: Cow<'_, str>| match prefix {
+            Some(prefix) => format!("{prefix}:{name}"),
+            None => name.into_owned(),
+        };
+        let root_name = qualified(definition_name(&definition.root));
+        let record_name = qualified(definition_name(&definition.record));
 
         let mut document_prefix = Vec::with_capacity(256);
         document_prefix.extend_from_slice(XML_DECLARATION.as_bytes());
         document_prefix.push(b'<');
         document_prefix.extend_from_slice(root_name.as_bytes());
-        if let Some(namespace) = &definition.namespace
-            && !RESERVED_NAMESPACES.contains(&namespace.as_str())
-        {
-            write_document_attribute(&mut document_prefix, "xmlns", namespace);
+        if let Some(namespace) = usable_namespace {
+            let declaration = match prefix {
+                Some(prefix) => format!("xmlns:{prefix}"),
+                None => "xmlns".to_owned(),
+            };
+            write_document_attribute(&mut document_prefix, &declaration, namespace);
         }
         write_attribute(
             &mut document_prefix,
@@ -116,7 +168,20 @@ impl DocumentRenderer {
             record_start: format!("<{record_name}").into_bytes(),
             record_end: format!("</{record_name}>\n").into_bytes(),
             named_top_level_fields: named_top_level_fields(definition),
+            summary_name: qualified(Cow::Borrowed(SUMMARY_ELEMENT)),
+            total_name: qualified(Cow::Borrowed(TOTAL_ELEMENT)),
+            typed: definition.is_typed().then(|| TypedLayout {
+                fields: definition.fields.clone(),
+                keep_undeclared: definition.undeclared.is_keep(),
+                namespace: usable_namespace.cloned(),
+                schema_file: schema_file_name(&schema_for(definition)),
+            }),
         }
+    }
+
+    /// A typed definition's schema file name (see [`crate::schema_file_name`]).
+    pub fn schema_file(&self) -> Option<&str> {
+        self.typed.as_ref().map(|typed| typed.schema_file.as_str())
     }
 
     /// Writes the declaration and the root start tag, which carries the
@@ -125,6 +190,17 @@ impl DocumentRenderer {
     /// one, and `xmlns:xsi` for nulls.
     pub fn start(&self, out: &mut Vec<u8>, stream: &str, partition: i32, first_offset: i64) {
         out.extend_from_slice(&self.document_prefix);
+        if let Some(typed) = &self.typed {
+            let location = schema_key(stream, &typed.schema_file);
+            match &typed.namespace {
+                Some(namespace) => write_document_attribute(
+                    out,
+                    "xsi:schemaLocation",
+                    &format!("{namespace} {location}"),
+                ),
+                None => write_document_attribute(out, "xsi:noNamespaceSchemaLocation", &location),
+            }
+        }
         write_document_attribute(out, "stream", stream);
         write_number_attribute(out, "partition", partition);
         write_number_attribute(out, "first-offset", first_offset);
@@ -147,12 +223,22 @@ impl DocumentRenderer {
         }
         out.push(b'>');
         let content_start = out.len();
-        for (key, value) in fields {
-            match self.named_top_level_fields.get(key.as_str()) {
-                None => write_field(out, ElementName::FieldKey(key), value),
-                Some(field) if field.scalar_as_attribute && is_scalar(value) => {}
-                Some(field) => write_field(out, ElementName::Verbatim(&field.xml_name), value),
-            }
+        if let Some(typed) = &self.typed {
+            let top_level_name =
+                |key: &str, value: &Value| match self.named_top_level_fields.get(key) {
+                    None => Some(None),
+                    Some(field) if field.scalar_as_attribute && is_scalar(value) => None,
+                    Some(field) => Some(Some(field.xml_name.clone())),
+                };
+            typed::write_declared_fields(
+                out,
+                &typed.fields,
+                typed.keep_undeclared,
+                fields,
+                Some(&top_level_name),
+            );
+        } else {
+            self.write_fields_in_record_order(out, fields);
         }
         if out.len() == content_start {
             out.pop();
@@ -163,11 +249,21 @@ impl DocumentRenderer {
         Ok(())
     }
 
+    fn write_fields_in_record_order(&self, out: &mut Vec<u8>, fields: &Map<String, Value>) {
+        for (key, value) in fields {
+            match self.named_top_level_fields.get(key.as_str()) {
+                None => write_field(out, ElementName::FieldKey(key), value),
+                Some(field) if field.scalar_as_attribute && is_scalar(value) => {}
+                Some(field) => write_field(out, ElementName::Verbatim(&field.xml_name), value),
+            }
+        }
+    }
+
     /// Whether [`crate::render_fields`] writes this renderer's record
     /// content: the definition names no attribute and no rename, so a
     /// field's element is its encoded key wherever it is.
     pub fn renders_fields_verbatim(&self) -> bool {
-        self.named_top_level_fields.is_empty()
+        self.named_top_level_fields.is_empty() && self.typed.is_none()
     }
 
     /// Appends one record element and a newline around `fields`, the
@@ -201,8 +297,21 @@ impl DocumentRenderer {
         summary: &Summary<'_>,
         window: Option<&SummaryWindow<'_>>,
     ) {
+        self.finish_with_totals(out, summary, window, &[]);
+    }
+
+    /// [`finish_in_window`](Self::finish_in_window) with the document's
+    /// totals, one `<total field=".." count=".." sum=".." min=".." max=".."/>`
+    /// each inside the summary, in the order given.
+    pub fn finish_with_totals(
+        &self,
+        out: &mut Vec<u8>,
+        summary: &Summary<'_>,
+        window: Option<&SummaryWindow<'_>>,
+        totals: &[FieldTotal],
+    ) {
         out.push(b'<');
-        out.extend_from_slice(SUMMARY_ELEMENT.as_bytes());
+        out.extend_from_slice(self.summary_name.as_bytes());
         write_number_attribute(out, "records", summary.records);
         write_number_attribute(out, "first-offset", summary.first_offset);
         write_number_attribute(out, "last-offset", summary.last_offset);
@@ -212,7 +321,26 @@ impl DocumentRenderer {
             write_document_attribute(out, "window-end", window.end);
             write_number_attribute(out, "window-sequence", window.sequence);
         }
-        out.extend_from_slice(b"/>\n");
+        if totals.is_empty() {
+            out.extend_from_slice(b"/>\n");
+        } else {
+            out.push(b'>');
+            for total in totals {
+                out.push(b'<');
+                out.extend_from_slice(self.total_name.as_bytes());
+                write_document_attribute(out, "field", &total.field);
+                write_number_attribute(out, "count", total.count);
+                write_raw_attribute(out, "sum", &total.sum);
+                if let (Some(min), Some(max)) = (&total.min, &total.max) {
+                    write_raw_attribute(out, "min", min);
+                    write_raw_attribute(out, "max", max);
+                }
+                out.extend_from_slice(b"/>");
+            }
+            out.extend_from_slice(b"</");
+            out.extend_from_slice(self.summary_name.as_bytes());
+            out.extend_from_slice(b">\n");
+        }
         out.extend_from_slice(&self.document_end);
     }
 
@@ -269,6 +397,7 @@ pub fn check_definition(definition: &Definition) -> Result<(), DefinitionError> 
     };
     let chosen_names = [("root", &definition.root), ("record", &definition.record)]
         .into_iter()
+        .chain(definition.prefix.iter().map(|prefix| ("prefix", prefix)))
         .chain(
             definition
                 .renames
