@@ -123,7 +123,7 @@ fn check_record(index: usize, record: &RawValue, limits: &Limits) -> Result<(), 
             ApiError::ForbiddenCharacter { index, forbidden }
         }
         RenderError::NotAnObject { found } => ApiError::NotAnObject { index, found },
-        RenderError::TooDeeplyNested { .. } => ApiError::InvalidRecord {
+        RenderError::TooDeeplyNested { .. } | RenderError::Type(_) => ApiError::InvalidRecord {
             index,
             message: problem.to_string(),
         },

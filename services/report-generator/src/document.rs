@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use quire_messages::window::Window;
 use quire_s3::{MemoryPool, MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
-use quire_xml::{DocumentRenderer, RenderError, Summary, SummaryWindow};
+use quire_xml::{DocumentRenderer, RenderError, Summary, SummaryWindow, Totals};
 
 use crate::WorkerError;
 use crate::decide::DocumentStats;
@@ -65,6 +65,12 @@ pub struct OpenDocument {
     /// One record's rendering, reused; appended to the writer only once the
     /// record rendered completely, so a record that fails leaves no trace.
     scratch: Vec<u8>,
+    /// The definition's totals, staged like `scratch` and counted on append.
+    totals: Option<Totals>,
+    /// A typed definition's schema: its key and bytes, stored before the
+    /// document's manifest so every report's schema is there when it is
+    /// announced.
+    schema: Option<(String, String)>,
 }
 
 /// The time window a document belongs to, and its place in it.
@@ -225,6 +231,13 @@ impl OpenDocument {
             }
         }
         let renderer = DocumentRenderer::new(definition);
+        let schema = renderer.schema_file().map(|file| {
+            (
+                quire_xml::schema_key(stream.as_str(), file),
+                quire_xml::schema_for(definition),
+            )
+        });
+        let totals = Totals::new(definition);
         let mut encoding = Encoding::for_definition(definition, bucket.memory());
         let content_type = layout::content_type_for_key(&key);
         let mut writer = bucket.typed_writer(key, content_type, policy)?;
@@ -247,6 +260,8 @@ impl OpenDocument {
             encoding,
             writer,
             scratch,
+            totals,
+            schema,
         })
     }
 
@@ -256,12 +271,27 @@ impl OpenDocument {
     /// records fit is the pipeline's decision (`decide::fit`);
     /// [`append_rendered`](Self::append_rendered) writes them.
     pub fn render(&mut self, record: RecordInput<'_>) -> Result<usize, RenderError> {
-        render_record(&self.renderer, &mut self.scratch, record)
+        let rendered = render_record(&self.renderer, &mut self.scratch, record)?;
+        if let Some(totals) = &mut self.totals {
+            match record {
+                RecordInput::Parsed(value) => totals.stage(value),
+                // It rendered, so its text parses.
+                RecordInput::Rendered { text, .. } => {
+                    if let Ok(value) = serde_json::from_slice(text) {
+                        totals.stage(&value);
+                    }
+                }
+            }
+        }
+        Ok(rendered)
     }
 
     /// Forgets what is rendered and not yet appended.
     pub fn discard_rendered(&mut self) {
         self.scratch.clear();
+        if let Some(totals) = &mut self.totals {
+            totals.discard();
+        }
     }
 
     /// Appends what [`render`](Self::render) rendered since the last
@@ -274,6 +304,9 @@ impl OpenDocument {
     ) -> Result<(), WorkerError> {
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         self.scratch.clear();
+        if let Some(totals) = &mut self.totals {
+            totals.commit();
+        }
         if self.records == 0 {
             self.first_record_time_ms = time_ms;
         }
@@ -333,7 +366,8 @@ impl OpenDocument {
             end: &window.end,
             sequence: window.sequence,
         });
-        self.renderer.finish_in_window(
+        let totals = self.totals.as_ref().map(Totals::totals).unwrap_or_default();
+        self.renderer.finish_with_totals(
             &mut self.scratch,
             &Summary {
                 records: self.records,
@@ -342,6 +376,7 @@ impl OpenDocument {
                 report_id: &report_id_text,
             },
             summary_window.as_ref(),
+            &totals,
         );
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
         let uncompressed_bytes = match self.encoding {
@@ -382,6 +417,9 @@ impl OpenDocument {
             window_sequence: self.window.as_ref().map(|window| window.sequence),
             log: Some(log.to_owned()),
         };
+        if let Some((key, schema)) = &self.schema {
+            put_schema(bucket, key, schema).await?;
+        }
         put_manifest(
             bucket,
             &manifest,
@@ -611,6 +649,33 @@ pub fn memory_pool(
 /// manifest is far below one part).
 /// A windowed report's manifest is also copied into the window index
 /// (`layout::window_index_key`), after the manifest itself.
+/// Stores a typed definition's schema once per worker process (the same
+/// key always holds the same bytes: its name is their digest, so a replay
+/// or another worker writing it again changes nothing).
+async fn put_schema(bucket: &S3Bucket, key: &str, schema: &str) -> Result<(), WorkerError> {
+    static STORED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let place = format!("{}/{key}", bucket.name());
+    let stored = |place: &str| {
+        STORED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(place)
+    };
+    if stored(&place) {
+        return Ok(());
+    }
+    let policy = UploadPolicy::for_max_object_size(schema.len() as u64);
+    let mut writer = bucket.typed_writer(key, Some(layout::XSD_CONTENT_TYPE), &policy)?;
+    writer.append(schema.as_bytes()).await?;
+    writer.finish().await?;
+    STORED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .insert(place);
+    Ok(())
+}
+
 async fn put_manifest(
     bucket: &S3Bucket,
     manifest: &Manifest,

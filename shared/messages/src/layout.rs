@@ -49,6 +49,8 @@ pub const XML_CONTENT_TYPE: &str = "application/xml";
 pub const GZIP_CONTENT_TYPE: &str = "application/gzip";
 /// The media type of manifests and definitions.
 pub const JSON_CONTENT_TYPE: &str = "application/json";
+/// The media type of a typed definition's XML Schema (`schemas/{stream}/{digest}.xsd`).
+pub const XSD_CONTENT_TYPE: &str = "application/xml";
 
 /// A document's S3 key, fixed when it opens. A log other than the first
 /// (`log`: the records topic was deleted and created again) puts its tag

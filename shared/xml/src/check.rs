@@ -25,6 +25,9 @@ pub enum RenderError {
     ForbiddenCharacter(#[from] ForbiddenCharacter),
     #[error("field `{path}` is nested more than {MAX_NESTING_DEPTH} levels deep")]
     TooDeeplyNested { path: String },
+    /// It does not fit its definition's typed fields.
+    #[error(transparent)]
+    Type(#[from] crate::TypeError),
 }
 
 /// A character XML 1.0 cannot carry (not even as a character reference),

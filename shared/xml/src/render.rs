@@ -12,6 +12,7 @@ use quick_xml::events::attributes::Attribute;
 use quire_messages::{Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name};
 use serde_json::{Map, Value};
 
+use crate::TypedCheck;
 use crate::check::{RenderError, first_forbidden_character, is_forbidden_character, record_fields};
 use crate::names::{encode_name, write_encoded_name};
 use crate::xsd::{TOTAL_ELEMENT, schema_file_name, schema_for};
@@ -91,6 +92,10 @@ pub struct DocumentRenderer {
     total_name: String,
     /// A typed definition's fields, written in their order.
     typed: Option<TypedLayout>,
+    /// A typed definition's check, run on every record before it is
+    /// written: the API's very check, so a record that slipped past it (sent
+    /// before the definition reached that API replica) is refused here too.
+    check: Option<TypedCheck>,
 }
 
 #[derive(Debug, Clone)]
@@ -176,6 +181,7 @@ impl DocumentRenderer {
                 namespace: usable_namespace.cloned(),
                 schema_file: schema_file_name(&schema_for(definition)),
             }),
+            check: TypedCheck::new(definition),
         }
     }
 
@@ -213,10 +219,14 @@ impl DocumentRenderer {
     ///
     /// Exactly when [`crate::check_record`] fails, with the same error (the
     /// record is not an object, holds a character XML 1.0 forbids, or is
-    /// nested too deep). Nothing is written then, so the document stays
+    /// nested too deep), or, under a typed definition, when
+    /// [`crate::TypedCheck`] does ([`RenderError::Type`]). Nothing is written then, so the document stays
     /// well-formed and the caller can dead-letter the record and go on.
     pub fn record(&self, out: &mut Vec<u8>, record: &Value) -> Result<(), RenderError> {
         let fields = record_fields(record)?;
+        if let Some(check) = &self.check {
+            check.check(record)?;
+        }
         out.extend_from_slice(&self.record_start);
         if !self.named_top_level_fields.is_empty() {
             self.write_record_attributes(out, fields);

@@ -257,3 +257,17 @@ fn the_same_definition_gives_the_same_schema_and_a_change_a_new_name() {
         schema_file_name(&schema_for(&changed))
     );
 }
+
+#[test]
+fn the_renderer_refuses_a_record_its_typed_check_refuses() {
+    let definition = definition(&format!(r#"{{"fields": {FIELDS}}}"#));
+    let renderer = DocumentRenderer::new(&definition);
+    let mut out = b"kept".to_vec();
+    let misfit: Value = serde_json::from_str(r#"{"id": "AB-1", "amount": "ten"}"#).unwrap();
+    let error = renderer.record(&mut out, &misfit).unwrap_err();
+    assert!(
+        matches!(error, quire_xml::RenderError::Type(ref found) if found.path == "amount"),
+        "{error}"
+    );
+    assert_eq!(out, b"kept", "nothing of a refused record is written");
+}
