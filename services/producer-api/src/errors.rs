@@ -120,6 +120,15 @@ pub enum ApiError {
     InvalidRecord { index: usize, message: String },
 
     #[error(
+        "record {index} does not fit the stream's definition: field `{}` must be {}, found {}; nothing was published",
+        error.path, error.expected, error.found
+    )]
+    WrongType {
+        index: usize,
+        error: quire_xml::TypeError,
+    },
+
+    #[error(
         "record {index} names the key `{path}` twice; JSON readers disagree on which value counts, so name each key once; nothing was published"
     )]
     DuplicateKey { index: usize, path: String },
@@ -138,6 +147,11 @@ pub enum ApiError {
         "stream {stream} has no definition set through this API, so its reports use the default one; PUT /v1/streams/{stream}/definition sets one"
     )]
     DefinitionNotFound { stream: String },
+
+    #[error(
+        "stream {stream} has no schema {file}; a worker stores it before the first report that points to it"
+    )]
+    SchemaNotFound { stream: String, file: String },
 
     #[error(
         "report {id} is still pending: its document is not complete yet; GET /v1/reports/{id} says when it is"
@@ -289,6 +303,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => (S::NOT_FOUND, "not_found"),
             ApiError::ReportNotFound { .. } => (S::NOT_FOUND, "report_not_found"),
             ApiError::DefinitionNotFound { .. } => (S::NOT_FOUND, "definition_not_found"),
+            ApiError::SchemaNotFound { .. } => (S::NOT_FOUND, "schema_not_found"),
             ApiError::DownloadUrlsOff { .. } => (S::NOT_FOUND, "download_urls_off"),
             ApiError::MethodNotAllowed { .. } => (S::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::ReportPending { .. } => (S::CONFLICT, "report_pending"),
@@ -308,6 +323,7 @@ impl ApiError {
             }
             ApiError::NotAnObject { .. } => (S::UNPROCESSABLE_ENTITY, "record_not_an_object"),
             ApiError::InvalidRecord { .. } => (S::UNPROCESSABLE_ENTITY, "invalid_record"),
+            ApiError::WrongType { .. } => (S::UNPROCESSABLE_ENTITY, "wrong_type"),
             ApiError::ForbiddenCharacter { .. } => (S::UNPROCESSABLE_ENTITY, "forbidden_character"),
             ApiError::DuplicateKey { .. } => (S::UNPROCESSABLE_ENTITY, "duplicate_key"),
             ApiError::InvalidDefinition(_) => (S::UNPROCESSABLE_ENTITY, "invalid_definition"),
@@ -428,6 +444,12 @@ impl ApiError {
             } => json!({"index": index, "bytes": bytes, "limit": limit}),
             ApiError::NotAnObject { index, found } => json!({"index": index, "found": found}),
             ApiError::InvalidRecord { index, .. } => json!({"index": index}),
+            ApiError::WrongType { index, error } => json!({
+                "index": index,
+                "path": error.path,
+                "expected": error.expected,
+                "found": error.found,
+            }),
             ApiError::DuplicateKey { index, path } => json!({"index": index, "path": path}),
             ApiError::ForbiddenCharacter { index, forbidden } => json!({
                 "index": index,
@@ -447,6 +469,7 @@ impl ApiError {
             | ApiError::ReportSuperseded { id }
             | ApiError::ReportContentGone { id, .. } => json!({"report_id": id}),
             ApiError::DefinitionNotFound { stream } => json!({"stream": stream}),
+            ApiError::SchemaNotFound { stream, file } => json!({"stream": stream, "file": file}),
             ApiError::Forbidden {
                 scope,
                 stream,

@@ -27,6 +27,7 @@ pub mod auth;
 pub mod body;
 pub mod errors;
 pub mod idempotency;
+pub mod in_force;
 pub mod kafka_health;
 pub mod key_log;
 pub mod log_reader;

@@ -20,6 +20,7 @@ use futures::future::BoxFuture;
 use crate::admission::Gate;
 use crate::errors::ApiError;
 use crate::idempotency::{KeyedRequest, StoredResponse, Unsettled};
+use crate::in_force::DefinitionsInForce;
 use crate::kafka_health::KafkaHealth;
 use crate::key_log::KeyLog;
 use crate::log_reader::LogReader;
@@ -56,6 +57,8 @@ pub struct Publishing {
     pub metrics: Arc<Metrics>,
     /// Cuts and definition changes per stream and per principal.
     pub control_limits: Arc<ControlLimits>,
+    /// Each stream's definition in force, for the typed check at the door.
+    pub definitions: Arc<DefinitionsInForce>,
     /// Whether bearer tokens are checked (the rate's principal is then the
     /// token).
     pub tokens_enabled: bool,

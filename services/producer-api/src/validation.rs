@@ -11,7 +11,7 @@ use std::fmt;
 
 use axum::http::HeaderMap;
 use axum::http::header::CONTENT_ENCODING;
-use quire_xml::RenderError;
+use quire_xml::{RenderError, TypedCheck};
 use serde::de::{Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -82,6 +82,24 @@ pub fn parse_records<'body>(
     Ok(records)
 }
 
+/// Every record against the typed fields of the stream's definition in
+/// force (`records` passed [`parse_records`] already): the first that does
+/// not fit refuses the whole body, naming the record, the field and what
+/// the definition expects. The same check the worker runs before it renders.
+pub fn check_types(records: &[&RawValue], check: &TypedCheck) -> Result<(), ApiError> {
+    for (index, record) in records.iter().enumerate() {
+        let value: serde_json::Value =
+            serde_json::from_str(record.get()).map_err(|error| ApiError::InvalidRecord {
+                index,
+                message: without_position(&error),
+            })?;
+        check
+            .check(&value)
+            .map_err(|error| ApiError::WrongType { index, error })?;
+    }
+    Ok(())
+}
+
 /// One record: size, object, parse, XML characters.
 fn check_record(index: usize, record: &RawValue, limits: &Limits) -> Result<(), ApiError> {
     let text = record.get();
@@ -123,7 +141,8 @@ fn check_record(index: usize, record: &RawValue, limits: &Limits) -> Result<(), 
             ApiError::ForbiddenCharacter { index, forbidden }
         }
         RenderError::NotAnObject { found } => ApiError::NotAnObject { index, found },
-        RenderError::TooDeeplyNested { .. } | RenderError::Type(_) => ApiError::InvalidRecord {
+        RenderError::Type(error) => ApiError::WrongType { index, error },
+        RenderError::TooDeeplyNested { .. } => ApiError::InvalidRecord {
             index,
             message: problem.to_string(),
         },

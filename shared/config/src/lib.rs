@@ -91,6 +91,11 @@ pub struct ApiSettings {
     /// file): the S3 endpoint.
     #[serde_as(as = "NoneAsEmptyString")]
     pub download_url_endpoint: Option<String>,
+    /// How long a replica trusts the definition it last read from the
+    /// bucket before it reads it again (its own PUTs apply at once).
+    #[serde(rename = "definition_refresh_ms")]
+    #[serde_as(as = "DurationMilliSeconds<u64>")]
+    pub definition_refresh: Duration,
 }
 
 /// The report generator (see defaults.toml for what each key means).

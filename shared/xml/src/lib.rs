@@ -127,4 +127,4 @@ pub use render::{
 pub use stream::render_fields;
 pub use totals::Totals;
 pub use typed::{MAX_DIGITS, TypeError, TypedCheck};
-pub use xsd::{TOTAL_ELEMENT, schema_file_name, schema_for};
+pub use xsd::{TOTAL_ELEMENT, is_schema_file_name, schema_file_name, schema_for};

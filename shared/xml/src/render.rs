@@ -394,13 +394,6 @@ impl DocumentRenderer {
 /// The first problem found, naming the field.
 pub fn check_definition(definition: &Definition) -> Result<(), DefinitionError> {
     definition.validate()?;
-    let needed = definition.required_version();
-    if needed > Definition::NEWEST_VERSION {
-        return Err(DefinitionError::NotYetEnforced {
-            needed,
-            newest: Definition::NEWEST_VERSION,
-        });
-    }
     let reserved = |name: &str| {
         name.get(..3)
             .is_some_and(|start| start.eq_ignore_ascii_case("xml"))

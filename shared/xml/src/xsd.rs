@@ -71,6 +71,17 @@ pub fn schema_file_name(schema: &str) -> String {
     format!("{}.xsd", hex::encode(&digest[..8]))
 }
 
+/// Whether `file` is a name [`schema_file_name`] gives (16 lowercase hex
+/// digits and `.xsd`): what the API lets a path name.
+pub fn is_schema_file_name(file: &str) -> bool {
+    file.strip_suffix(".xsd").is_some_and(|digits| {
+        digits.len() == 16
+            && digits
+                .bytes()
+                .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
+    })
+}
+
 fn write_record_type(out: &mut String, definition: &Definition, indent: usize) {
     let pad = " ".repeat(indent);
     if !definition.is_typed() {
@@ -252,4 +263,27 @@ fn write_summary_type(out: &mut String, form: &str) {
         );
     }
     let _ = writeln!(out, "{pad}</xs:complexType>");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_names_schemas_get_are_the_names_paths_may_use() {
+        let name = schema_file_name("<xs:schema/>");
+        assert!(is_schema_file_name(&name), "{name}");
+        for refused in [
+            "",
+            ".xsd",
+            "0123456789abcdef",
+            "0123456789ABCDEF.xsd",
+            "0123456789abcde.xsd",
+            "0123456789abcdef0.xsd",
+            "../../definitions.xsd",
+            "0123456789abcdeg.xsd",
+        ] {
+            assert!(!is_schema_file_name(refused), "{refused}");
+        }
+    }
 }

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::body::read_body;
 use crate::errors::ApiError;
-use crate::routes::StreamPath;
+use crate::routes::{SchemaPath, StreamPath};
 use crate::state::Publishing;
 use crate::storage::Storage;
 use crate::storage::definition_key;
@@ -34,7 +34,7 @@ pub struct StoredDefinition {
 
 impl StoredDefinition {
     /// Partition and offset of `id`, to order two copies.
-    fn position(&self) -> Option<(i32, i64)> {
+    pub(crate) fn position(&self) -> Option<(i32, i64)> {
         let (partition, offset) = self.id.split_once('-')?;
         Some((partition.parse().ok()?, offset.parse().ok()?))
     }
@@ -86,6 +86,7 @@ pub async fn put_definition(
         id: landed.to_string(),
         definition,
     };
+    state.definitions.published(&stored);
     keep_readable_copy(&storage, &stored).await?;
     Ok((StatusCode::ACCEPTED, Json(stored)).into_response())
 }
@@ -165,6 +166,29 @@ pub async fn get_definition(
         .into_response())
 }
 
+/// `GET /v1/streams/{stream}/schemas/{file}`: the XML Schema a typed
+/// definition's reports point to, as the worker stored it beside them.
+pub async fn get_schema(
+    State(storage): State<Storage>,
+    SchemaPath(stream, file): SchemaPath,
+) -> Result<Response, ApiError> {
+    let key = quire_xml::schema_key(stream.as_str(), &file);
+    let Some(bytes) = storage.get_small(&key).await? else {
+        return Err(ApiError::SchemaNotFound {
+            stream: stream.to_string(),
+            file,
+        });
+    };
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(quire_messages::layout::XSD_CONTENT_TYPE),
+        )],
+        bytes,
+    )
+        .into_response())
+}
+
 #[cfg(test)]
 mod tests {
     use quire_messages::CURRENT_VERSION;
@@ -215,7 +239,10 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
-            br#"{"v":4,"gzip":true}"#,
+            br#"{"v":5,"gzip":true}"#,
+            br#"{"fields":[{"name":"amount","type":"money"}]}"#,
+            br#"{"fields":[{"name":"amount","type":"decimal"}],"totals":["missing"]}"#,
+            br#"{"prefix":"q"}"#,
             br#"{"gzip":"yes"}"#,
             br#"{"window":{"every":"7m"}}"#,
             br#"{"window":{"every":"1d","time_zone":"Europe/Pariss"}}"#,

@@ -93,6 +93,13 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: "GET",
+        path: "/v1/streams/{stream}/schemas/{file}",
+        access: Access::Token(Scope::Read),
+        admission: None,
+        handler: || get(definitions::get_schema),
+    },
+    Route {
+        method: "GET",
         path: "/v1/reports/{id}",
         access: Access::Token(Scope::Read),
         admission: None,
@@ -218,6 +225,28 @@ impl<S: Send + Sync> FromRequestParts<S> for StreamPath {
             .await
             .map_err(|rejection| ApiError::InvalidPath(rejection.body_text()))?;
         Ok(StreamPath(StreamName::new(&stream)?))
+    }
+}
+
+/// The `{stream}` and `{file}` of a schema route: a stream name and a
+/// schema file name as quire makes them (16 lowercase hex digits and
+/// `.xsd`), so nothing else of the bucket can be named.
+pub struct SchemaPath(pub StreamName, pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for SchemaPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path((stream, file)) = Path::<(String, String)>::from_request_parts(parts, state)
+            .await
+            .map_err(|rejection| ApiError::InvalidPath(rejection.body_text()))?;
+        let stream = StreamName::new(&stream)?;
+        if !quire_xml::is_schema_file_name(&file) {
+            return Err(ApiError::InvalidPath(format!(
+                "{file:?} is not a schema file name (16 lowercase hex digits and .xsd, as reports name them)"
+            )));
+        }
+        Ok(SchemaPath(stream, file))
     }
 }
 

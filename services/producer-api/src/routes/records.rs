@@ -18,7 +18,7 @@ use crate::publish::Batches;
 use crate::routes::StreamPath;
 use crate::state::Publishing;
 use crate::validation::Limits;
-use crate::validation::{BodyFormat, parse_records};
+use crate::validation::{BodyFormat, check_types, parse_records};
 
 /// `{"count": n, "ids": ["partition-offset-index", ...]}`, one id per
 /// record in order.
@@ -76,6 +76,9 @@ pub async fn post_records(
     let format = BodyFormat::from_headers(&headers)?;
     let body = read_body(body, &headers, state.limits.max_body_bytes).await?;
     let records = parse_records(&body, format, &state.limits)?;
+    if let Some(check) = state.definitions.check_for(&stream).await {
+        check_types(&records, &check)?;
+    }
     if records.is_empty() {
         return Ok(Json(RecordsAccepted {
             count: 0,

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::Gate;
 use crate::body::InFlightBytes;
 use crate::idempotency::{IdempotencyStore, StoreLimits};
+use crate::in_force::DefinitionsInForce;
 use crate::kafka_health::{self, KafkaHealth};
 use crate::key_log::KeyLog;
 use crate::log_reader::{LogError, LogReader};
@@ -473,6 +474,10 @@ fn spawn(
             key_log: Arc::clone(&key_log),
             metrics: Arc::clone(&metrics),
             control_limits: Arc::clone(&checked.control_limits),
+            definitions: Arc::new(DefinitionsInForce::new(
+                storage.clone(),
+                settings.api.definition_refresh,
+            )),
             tokens_enabled,
         },
         reports: Reports {
