@@ -119,6 +119,20 @@ impl TestStack {
         reports: impl IntoIterator<Item = (&'a String, &'a Report)>,
         limit: Duration,
     ) {
+        self.assert_replay_renders_with(prefix, partitions, reports, limit, |_| {})
+            .await;
+    }
+
+    /// [`TestStack::assert_replay_renders`] with the replaying worker's
+    /// settings changed as the first run's were (a rollover count, say).
+    pub async fn assert_replay_renders_with<'a>(
+        &self,
+        prefix: &str,
+        partitions: i32,
+        reports: impl IntoIterator<Item = (&'a String, &'a Report)>,
+        limit: Duration,
+        configure: impl FnOnce(&mut quire_config::Settings),
+    ) {
         let bucket = crate::s3::TestBucket::create(&format!("{prefix}-replay")).await;
         let watermark_settings: Vec<(&str, &str)> = std::iter::once(("cleanup.policy", "compact"))
             .chain(quire_queue::WATERMARK_COMPACTION.iter().copied())
@@ -136,6 +150,7 @@ impl TestStack {
                 settings.kafka.topics.report_events = events.name.clone();
                 settings.worker.group_id = group.clone();
                 settings.kafka.partitions = partitions;
+                configure(settings);
             })
             .spawn();
         let deadline = Instant::now() + limit;

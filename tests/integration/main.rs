@@ -8,6 +8,7 @@ mod brownout;
 mod compose;
 mod dashboard;
 mod dead_letters;
+mod documents;
 mod faults;
 mod fencing;
 mod growth;

@@ -151,10 +151,6 @@ pub enum DefinitionError {
     TypedAttribute(String),
     #[error("prefix {0:?} needs a namespace to stand for")]
     PrefixWithoutNamespace(String),
-    #[error(
-        "typed fields, undeclared and totals need definition version {needed}; this release publishes up to version {newest}, so it refuses them rather than publish a definition it would not enforce"
-    )]
-    NotYetEnforced { needed: u32, newest: u32 },
 }
 
 impl Definition {
@@ -165,14 +161,13 @@ impl Definition {
     /// not know them must refuse such a definition rather than report by
     /// arrival or store under the default keys.
     pub const WINDOW_VERSION: u32 = 3;
-    /// The first version with `fields`, `undeclared` and `totals`. Not yet
-    /// [`Definition::NEWEST_VERSION`]: the record check at the API and the
-    /// typed rendering, schema and totals in the worker land first, so
-    /// until then a typed definition is refused by name, never accepted
-    /// and left unenforced.
+    /// The first version with `fields`, `undeclared`, `totals` and
+    /// `prefix`: a release that cannot check, render and total typed
+    /// fields refuses such a definition by name rather than render it
+    /// untyped.
     pub const TYPED_VERSION: u32 = 4;
     /// The newest definition version this release reads.
-    pub const NEWEST_VERSION: u32 = Definition::WINDOW_VERSION;
+    pub const NEWEST_VERSION: u32 = Definition::TYPED_VERSION;
 
     /// The version to publish this definition with: the oldest that holds
     /// everything it asks for, so definitions without gzip, windows or key
@@ -335,8 +330,13 @@ mod tests {
         };
         let read: Definition = crate::decode("definition", &crate::encode(&published)).unwrap();
         assert!(read.gzip);
-        let error = crate::decode::<Definition>("definition", br#"{"v":4}"#).unwrap_err();
-        assert!(error.to_string().contains("version 4"), "{error}");
+        let newer = Definition::NEWEST_VERSION + 1;
+        let body = format!(r#"{{"v":{newer}}}"#);
+        let error = crate::decode::<Definition>("definition", body.as_bytes()).unwrap_err();
+        assert!(
+            error.to_string().contains(&format!("version {newer}")),
+            "{error}"
+        );
     }
 
     #[test]

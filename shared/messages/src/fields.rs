@@ -86,7 +86,9 @@ pub enum FieldKind {
     /// A JSON string `YYYY-MM-DD` naming a real day.
     Date,
     /// A JSON string in RFC 3339 with its offset (`Z` or `+hh:mm`),
-    /// `T` between date and time.
+    /// `T` between date and time. `dateTime`, XML Schema's spelling, is
+    /// read too.
+    #[serde(alias = "dateTime")]
     Datetime,
     /// A JSON object with its own declared fields.
     Object,
