@@ -7,7 +7,11 @@
 //!   repeated key, `quire_xml::check_record`);
 //! - the worker's rendering: `quire_xml::render_fields` straight from the
 //!   text against parsing a `Value` and rendering it
-//!   (`DocumentRenderer::record`), the same bytes out.
+//!   (`DocumentRenderer::record`), the same bytes out;
+//! - the producer API's check under a typed definition (the clean pass,
+//!   then a `Value` and `quire_xml::TypedCheck::check`, as
+//!   `validation::check_types` does) against the same door without one:
+//!   the cost a typed definition adds per record.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -27,21 +31,52 @@ pub struct RecordsArgs {
 /// Makes the record of a sequence number.
 type MakeRecord = Box<dyn Fn(usize) -> String>;
 
+/// A record shape and the typed fields that declare all of it.
+struct Shape {
+    name: &'static str,
+    make: MakeRecord,
+    fields: &'static str,
+}
+
+const SMALL_FIELDS: &str = r#"[
+    {"name": "stream", "type": "string", "required": true, "max_length": 64},
+    {"name": "seq", "type": "integer", "required": true},
+    {"name": "payload", "type": "string", "pattern": "x+"}]"#;
+
+const WIDE_FIELDS: &str = r#"[
+    {"name": "id", "type": "integer", "required": true},
+    {"name": "amount", "type": "decimal", "scale": 2, "required": true},
+    {"name": "ok", "type": "boolean"},
+    {"name": "tags", "type": "string", "repeated": true},
+    {"name": "field_0", "type": "string"}, {"name": "field_1", "type": "string"},
+    {"name": "field_2", "type": "string"}, {"name": "field_3", "type": "string"},
+    {"name": "field_4", "type": "string"}, {"name": "field_5", "type": "string"},
+    {"name": "field_6", "type": "string"}, {"name": "field_7", "type": "string"},
+    {"name": "field_8", "type": "string"}, {"name": "field_9", "type": "string"},
+    {"name": "field_10", "type": "string"}, {"name": "field_11", "type": "string"},
+    {"name": "field_12", "type": "string"}, {"name": "field_13", "type": "string"},
+    {"name": "field_14", "type": "string"}, {"name": "field_15", "type": "string", "max_length": 100},
+    {"name": "customer", "type": "object", "fields": [
+        {"name": "name", "type": "string", "required": true},
+        {"name": "city", "type": "string"}]}]"#;
+
 /// The record shapes the pipeline benchmark sends and a wider one.
-fn shapes() -> Vec<(&'static str, MakeRecord)> {
+fn shapes() -> Vec<Shape> {
     vec![
-        (
-            "100 B, 3 fields",
-            Box::new(|seq| {
+        Shape {
+            name: "100 B, 3 fields",
+            fields: SMALL_FIELDS,
+            make: Box::new(|seq| {
                 format!(
                     r#"{{"stream":"bench-3","seq":{seq},"payload":"{}"}}"#,
                     "x".repeat(52)
                 )
             }),
-        ),
-        (
-            "1 KB, 20 fields, nested",
-            Box::new(|seq| {
+        },
+        Shape {
+            name: "1 KB, 20 fields, nested",
+            fields: WIDE_FIELDS,
+            make: Box::new(|seq| {
                 let fields: Vec<String> = (0..16)
                     .map(|index| {
                         format!(
@@ -54,8 +89,20 @@ fn shapes() -> Vec<(&'static str, MakeRecord)> {
                     fields.join(",")
                 )
             }),
-        ),
+        },
     ]
+}
+
+/// The API's door under a typed definition: the clean pass, then the
+/// record as a `Value` against its fields.
+fn typed_checks(text: &str, check: &quire_xml::TypedCheck) -> bool {
+    if !quire_xml::is_clean_record(text) {
+        return false;
+    }
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(text) else {
+        return false;
+    };
+    check.check(&value).is_ok()
 }
 
 fn full_checks(text: &str) -> bool {
@@ -101,14 +148,24 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
         args.records, args.runs
     );
     println!(
-        "{:<34} {:>12} {:>12} {:>8}",
-        "path, shape", "baseline", "fast path", "ratio"
+        "{:<42} {:>12} {:>12} {:>8}",
+        "path, shape", "baseline", "measured", "ratio"
     );
     let definition: quire_messages::Definition = serde_json::from_str("{}")?;
     let renderer = quire_xml::DocumentRenderer::new(&definition);
     let mut last = Vec::new();
-    for (shape, make) in shapes() {
+    for Shape {
+        name: shape,
+        make,
+        fields: declared,
+    } in shapes()
+    {
         let records: Vec<String> = (0..args.records).map(&make).collect();
+        let typed: quire_messages::Definition = serde_json::from_str(&format!(
+            r#"{{"fields": {declared}, "undeclared": "refuse"}}"#
+        ))?;
+        typed.validate()?;
+        let typed_check = quire_xml::TypedCheck::new(&typed).expect("a typed definition");
         let mut fields = Vec::new();
         let mut out = Vec::new();
         let mut tree_out = Vec::new();
@@ -129,6 +186,8 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
         let mut fast_render_rounds = Vec::new();
         let mut check_rounds = Vec::new();
         let mut clean_rounds = Vec::new();
+        let mut untyped_door_rounds = Vec::new();
+        let mut typed_door_rounds = Vec::new();
         for _ in 0..args.runs {
             check_rounds.push(measure(&records, &mut full_checks));
             clean_rounds.push(measure(&records, &mut quire_xml::is_clean_record));
@@ -140,15 +199,20 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
                 renderer.record_of_fields(&mut out, &fields);
                 rendered
             }));
+            untyped_door_rounds.push(measure(&records, &mut quire_xml::is_clean_record));
+            typed_door_rounds.push(measure(&records, &mut |text: &str| {
+                typed_checks(text, &typed_check)
+            }));
         }
         let key = shape.split(',').next().unwrap_or(shape).replace(' ', "");
         for (path, baseline, fast) in [
             ("api check", check_rounds, clean_rounds),
             ("worker render", tree_rounds, fast_render_rounds),
+            ("api typed check", untyped_door_rounds, typed_door_rounds),
         ] {
             let (baseline, fast) = (median(baseline), median(fast));
             println!(
-                "{:<34} {baseline:>12.0} {fast:>12.0} {:>8.2}",
+                "{:<42} {baseline:>12.0} {fast:>12.0} {:>8.2}",
                 format!("{path}, {shape}"),
                 fast / baseline
             );
