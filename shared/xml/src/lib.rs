@@ -110,6 +110,7 @@ mod clean;
 mod duplicates;
 mod keys;
 mod names;
+mod read;
 mod render;
 mod stream;
 mod totals;
@@ -120,6 +121,7 @@ pub use check::{FieldPart, ForbiddenCharacter, MAX_NESTING_DEPTH, RenderError, c
 pub use clean::is_clean_record;
 pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
+pub use read::{MAX_DEFINITION_BYTES, ReadDefinitionError, read_definition};
 pub use render::{
     DocumentRenderer, FieldTotal, NESTED_ARRAY_ITEM_ELEMENT, Summary, SummaryWindow,
     XML_SCHEMA_INSTANCE_NAMESPACE, check_definition, schema_key,

@@ -19,9 +19,6 @@ use crate::storage::Storage;
 use crate::storage::definition_key;
 use crate::validation::without_position;
 
-/// A definition is a few names; anything larger is a mistake.
-const MAX_DEFINITION_BYTES: usize = 64 * 1024;
-
 /// The answer of `PUT` and the readable copy `GET` returns.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct StoredDefinition {
@@ -58,11 +55,14 @@ pub async fn put_definition(
     // Bounded like the records route's: a definition sent slowly holds
     // its connection no longer than api.body_read_timeout_ms.
     let timeout = state.limits.body_read_timeout;
-    let body = tokio::time::timeout(timeout, read_body(body, &headers, MAX_DEFINITION_BYTES))
-        .await
-        .map_err(|_elapsed| ApiError::BodyTimeout {
-            limit_ms: timeout.as_millis() as u64,
-        })??;
+    let body = tokio::time::timeout(
+        timeout,
+        read_body(body, &headers, quire_xml::MAX_DEFINITION_BYTES),
+    )
+    .await
+    .map_err(|_elapsed| ApiError::BodyTimeout {
+        limit_ms: timeout.as_millis() as u64,
+    })??;
     let definition = parse_definition(&body)?;
     state.control_limits.check(
         &crate::auth::principal(&headers, state.tokens_enabled),
@@ -91,35 +91,17 @@ pub async fn put_definition(
     Ok((StatusCode::ACCEPTED, Json(stored)).into_response())
 }
 
-/// Parses and validates a definition: unknown fields, bad XML names,
-/// colliding renames and versions newer than this release are refused. The
-/// definition is published with the version its fields need (2 with `gzip`,
-/// 1 otherwise), whatever `v` the client sent.
+/// Parses and validates a definition with the check `quire define put`
+/// runs too ([`quire_xml::read_definition`]).
 fn parse_definition(body: &[u8]) -> Result<Definition, ApiError> {
-    let mut definition: Definition = serde_json::from_slice(body).map_err(|error| {
-        if error.is_data() {
-            ApiError::InvalidDefinition(error.to_string())
-        } else {
-            ApiError::InvalidJson {
-                message: without_position(&error),
-                line: error.line(),
-                column: error.column(),
-            }
-        }
-    })?;
-    if definition.v > Definition::NEWEST_VERSION {
-        return Err(ApiError::InvalidDefinition(format!(
-            "version {} is newer than this release writes ({})",
-            definition.v,
-            Definition::NEWEST_VERSION
-        )));
-    }
-    // Refused here is everything the renderer would not write as asked;
-    // what is in the log already renders as it always did.
-    quire_xml::check_definition(&definition)
-        .map_err(|error| ApiError::InvalidDefinition(error.to_string()))?;
-    definition.v = definition.required_version();
-    Ok(definition)
+    quire_xml::read_definition(body).map_err(|error| match error {
+        quire_xml::ReadDefinitionError::Json(error) => ApiError::InvalidJson {
+            message: without_position(&error),
+            line: error.line(),
+            column: error.column(),
+        },
+        quire_xml::ReadDefinitionError::Invalid(message) => ApiError::InvalidDefinition(message),
+    })
 }
 
 /// Writes `definitions/{stream}.json` unless the copy there is of a later
