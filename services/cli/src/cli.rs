@@ -62,6 +62,52 @@ pub enum Command {
     /// Make API tokens (the API itself holds only their digests).
     #[command(subcommand)]
     Token(TokenCommand),
+    /// Show a stream's definition, put one from a file after checking it
+    /// here, or print the XML Schema a definition gives its reports.
+    #[command(subcommand)]
+    Define(DefineCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DefineCommand {
+    /// Print the stream's definition in force (as the API stored it).
+    Show(DefineShowArgs),
+    /// Check a definition file with the API's own check, then put it
+    /// (nothing is sent when the check fails).
+    Put(DefinePutArgs),
+    /// Check a definition file, or read a stream's definition from the
+    /// API, and print the XSD its reports point to (without sending
+    /// anything: the same bytes the worker stores).
+    Schema(DefineSchemaArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DefineShowArgs {
+    /// The stream.
+    #[arg(long, short = 's')]
+    pub stream: String,
+}
+
+#[derive(Debug, Args)]
+pub struct DefinePutArgs {
+    /// The stream.
+    #[arg(long, short = 's')]
+    pub stream: String,
+    /// The definition, a JSON file; `-` reads stdin.
+    pub file: String,
+    /// Check only: say what the API would publish, send nothing.
+    #[arg(long)]
+    pub check: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["file", "stream"])))]
+pub struct DefineSchemaArgs {
+    /// A definition file (`-` reads stdin).
+    pub file: Option<String>,
+    /// Or the stream whose definition in force to read from the API.
+    #[arg(long, short = 's')]
+    pub stream: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

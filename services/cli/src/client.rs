@@ -203,6 +203,23 @@ impl ApiClient {
         self.json(builder, &path).await
     }
 
+    /// `GET /v1/streams/{stream}/definition`: the stored definition.
+    pub async fn definition(&self, stream: &str) -> Result<Value, CliError> {
+        let path = format!("/v1/streams/{}/definition", encode_segment(stream));
+        self.json(self.request(reqwest::Method::GET, &path), &path)
+            .await
+    }
+
+    /// `PUT /v1/streams/{stream}/definition` of a JSON body.
+    pub async fn put_definition(&self, stream: &str, body: Vec<u8>) -> Result<Value, CliError> {
+        let path = format!("/v1/streams/{}/definition", encode_segment(stream));
+        let builder = self
+            .request(reqwest::Method::PUT, &path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body);
+        self.json(builder, &path).await
+    }
+
     /// `GET /v1/limits`: what a records request may hold at most.
     pub async fn limits(&self) -> Result<Limits, CliError> {
         let path = "/v1/limits";

@@ -37,6 +37,10 @@ pub enum CliError {
     State(#[from] StateError),
     #[error("{0}")]
     Integrity(String),
+    /// A definition refused by the local check (the API's own), before
+    /// anything was sent.
+    #[error("{0}")]
+    Invalid(String),
     /// Another error, with what a send had done before it and how to go on.
     #[error("{source}\n{progress}")]
     Stopped {
@@ -122,6 +126,7 @@ impl CliError {
             Self::Interrupted => json!({"code": "interrupted", "message": "interrupted"}),
             Self::Http { .. } => json!({"code": "unreachable", "message": self.to_string()}),
             Self::Integrity(message) => json!({"code": "integrity", "message": message}),
+            Self::Invalid(message) => json!({"code": "invalid_definition", "message": message}),
             Self::Io { .. } | Self::Read(_) | Self::State(_) => {
                 json!({"code": "local", "message": self.to_string()})
             }

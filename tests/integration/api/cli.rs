@@ -225,3 +225,114 @@ async fn the_cli_fills_its_arrays_up_to_the_limits_the_api_gives() {
     );
     std::fs::remove_dir_all(&directory).ok();
 }
+
+/// `quire define`: a bad file is refused here, naming its problem, and
+/// nothing reaches the API; a good one is put and shown; the schema the CLI
+/// prints for the file is, byte for byte, the one the worker stored beside
+/// the stream's report and the API serves.
+#[tokio::test]
+async fn the_cli_checks_puts_shows_and_prints_the_schema_of_a_definition() {
+    let stack = TestStack::create("api-cli-define").await;
+    let api = stack.start_api().await;
+    let mut worker = stack.worker("cli-define-worker").spawn();
+    let directory = std::env::temp_dir().join(unique("quire-cli-define"));
+    std::fs::create_dir_all(&directory).unwrap();
+    let stream = unique("cli-define");
+
+    // A total of a field that is not declared: refused before sending.
+    let bad = directory.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"fields": [{"name": "seq", "type": "integer"}], "totals": ["amount"]}"#,
+    )
+    .unwrap();
+    let (code, _, stderr) = quire(
+        &api,
+        &["define", "put", "-s", &stream, bad.to_str().unwrap()],
+    );
+    assert_eq!(code, 1, "a bad definition fails: {stderr}");
+    assert!(
+        stderr.contains("bad.json") && stderr.contains("amount"),
+        "names the file and the problem: {stderr}"
+    );
+    let (status, _) = api.get(&format!("/v1/streams/{stream}/definition")).await;
+    assert_eq!(status, 404, "nothing was put");
+    let (code, _, stderr) = quire(&api, &["define", "show", "-s", &stream, "--json"]);
+    assert_eq!(code, 1, "no definition to show: {stderr}");
+    assert!(stderr.contains("definition_not_found"), "{stderr}");
+
+    // A good one: checked only, then put, then shown.
+    let good = directory.join("good.json");
+    let definition = json!({
+        "root": "entries", "record": "entry",
+        "fields": [
+            {"name": "stream", "type": "string", "required": true},
+            {"name": "seq", "type": "integer", "required": true},
+            {"name": "text", "type": "string", "max_length": 200}
+        ],
+        "undeclared": "refuse", "totals": ["seq"]
+    });
+    std::fs::write(&good, serde_json::to_vec(&definition).unwrap()).unwrap();
+    let good_path = good.to_str().unwrap();
+    let (code, stdout, stderr) = quire(
+        &api,
+        &[
+            "define", "put", "-s", &stream, good_path, "--check", "--json",
+        ],
+    );
+    assert_eq!(code, 0, "--check: {stderr}");
+    let checked: Value = serde_json::from_str(stdout.trim()).expect("--check JSON");
+    assert_eq!(checked["definition"]["v"], 4, "typed: version 4");
+    let (status, _) = api.get(&format!("/v1/streams/{stream}/definition")).await;
+    assert_eq!(status, 404, "--check sends nothing");
+    let (code, stdout, stderr) =
+        quire(&api, &["define", "put", "-s", &stream, good_path, "--json"]);
+    assert_eq!(code, 0, "define put: {stderr}");
+    let put: Value = serde_json::from_str(stdout.trim()).expect("put JSON");
+    assert_eq!(put["definition"]["fields"], definition["fields"]);
+    let (code, stdout, stderr) = quire(&api, &["define", "show", "-s", &stream]);
+    assert_eq!(code, 0, "define show: {stderr}");
+    let shown: Value = serde_json::from_str(&stdout).expect("show prints the definition");
+    assert_eq!(shown, put["definition"]);
+
+    // The schema, from the file and from the stream, is what the worker stores.
+    let (code, from_file, stderr) = quire(&api, &["define", "schema", good_path]);
+    assert_eq!(code, 0, "define schema FILE: {stderr}");
+    let (code, from_stream, stderr) = quire(&api, &["define", "schema", "-s", &stream]);
+    assert_eq!(code, 0, "define schema -s: {stderr}");
+    assert_eq!(from_file, from_stream);
+    let file = directory.join("records.ndjson");
+    std::fs::write(&file, ndjson(&stream, 5)).unwrap();
+    let (code, _, stderr) = quire(&api, &["send", "-s", &stream, file.to_str().unwrap()]);
+    assert_eq!(code, 0, "quire send: {stderr}");
+    assert_eq!(
+        cut_and_fetch(&api, &stream, &directory).await,
+        vec![0, 1, 2, 3, 4]
+    );
+    let report = std::fs::read_to_string(directory.join(format!("{stream}.xml"))).unwrap();
+    let location = report
+        .split("xsi:noNamespaceSchemaLocation=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("the report names its schema: {report}"));
+    let name = location.rsplit('/').next().unwrap();
+    let (status, served) = api
+        .get_bytes(&format!("/v1/streams/{stream}/schemas/{name}"))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        String::from_utf8(served).unwrap(),
+        from_file,
+        "the same bytes"
+    );
+
+    // An untyped definition has no schema.
+    let untyped = directory.join("untyped.json");
+    std::fs::write(&untyped, r#"{"root": "orders"}"#).unwrap();
+    let (code, _, stderr) = quire(&api, &["define", "schema", untyped.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("no schema"), "{stderr}");
+
+    worker.kill();
+    std::fs::remove_dir_all(&directory).unwrap();
+}
