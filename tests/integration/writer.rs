@@ -547,3 +547,102 @@ async fn an_aborted_spilled_document_leaves_no_spill_file() {
     assert_eq!(pool.snapshot().buffered_bytes, 0, "every buffer uncounted");
     std::fs::remove_dir_all(&spill_dir).unwrap();
 }
+
+/// Writes `content` with its first part held, then finishes with `head`:
+/// the object is `head` then `content`, its SHA-256 that of those bytes.
+async fn round_trip_with_head(
+    handle: &S3Bucket,
+    bucket: &TestBucket,
+    key: &str,
+    head: &[u8],
+    content: &[u8],
+) -> WrittenObject {
+    let mut writer = handle.writer(key, &small_policy()).unwrap();
+    writer.hold_first_part();
+    for slice in content.chunks(65_537) {
+        writer.append(slice).await.unwrap();
+    }
+    if content.len() > PART_SIZE {
+        assert!(
+            writer.held_bytes() >= PART_SIZE as u64 || writer.spilled_bytes() > 0,
+            "{key}: the first part is held, in memory or spilled, and counted"
+        );
+    }
+    let written = writer.finish_with_head(head).await.expect("finish");
+    let mut whole = head.to_vec();
+    whole.extend_from_slice(content);
+    assert_eq!(written.bytes, whole.len() as u64, "{key}: size");
+    assert_eq!(written.sha256_hex, sha256_hex(&whole), "{key}: SHA-256");
+    assert!(
+        bucket.read(key).await.expect("stored") == whole,
+        "{key}: the head, then every byte appended"
+    );
+    assert!(bucket.pending_uploads("").await.is_empty(), "{key}: no upload left");
+    written
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_first_part_goes_up_last_behind_a_head_known_at_the_end() {
+    let bucket = TestBucket::create("writer").await;
+    let handle = bucket.handle();
+    let head = b"<header records=\"123456\" sum=\"98765.43\"/>\n";
+    // Within one part: one PutObject of head and body.
+    let small = round_trip_with_head(&handle, &bucket, "r/held-small.xml", head, &document(5000)).await;
+    assert!(small.single_put);
+    // Past one part: part 1 is the head and the held part, uploaded last.
+    let parts = round_trip_with_head(
+        &handle,
+        &bucket,
+        "r/held-parts.xml",
+        head,
+        &document(2 * PART_SIZE + 4321),
+    )
+    .await;
+    assert!(!parts.single_put);
+    assert_eq!(parts.parts, 3);
+    // Exactly one part and a byte: the held part, and a last part of one byte.
+    let edge = round_trip_with_head(&handle, &bucket, "r/held-edge.xml", head, &document(PART_SIZE + 1)).await;
+    assert_eq!(edge.parts, 2);
+    // A head may be empty, and so may the document.
+    round_trip_with_head(&handle, &bucket, "r/held-empty.xml", b"", b"").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_first_part_spills_when_the_pool_is_full_and_is_freed_after() {
+    let bucket = TestBucket::create("writer").await;
+    let spill_dir = std::env::temp_dir().join(quire_tests::unique("quire-writer-held"));
+    let plain = bucket.handle();
+    let pool = spilling_pool(&plain, &spill_dir);
+    let handle = plain.with_memory(pool.clone());
+    // Another document holds most of the budget: the held part spills.
+    let mut hog = handle.writer("r/hog.xml", &small_policy()).unwrap();
+    hog.append(&document(PART_SIZE - 5)).await.unwrap();
+    let content = document(2 * PART_SIZE + 99);
+    let mut writer = handle.writer("r/held-spilled.xml", &small_policy()).unwrap();
+    writer.hold_first_part();
+    let mut spilled = 0;
+    for slice in content.chunks(4093) {
+        writer.append(slice).await.unwrap();
+        spilled = spilled.max(writer.spilled_bytes());
+    }
+    assert!(spilled >= PART_SIZE as u64, "the held part waits on disk: {spilled}");
+    assert_eq!(
+        pool.snapshot().over_budget_bytes,
+        0,
+        "holding the first part keeps the writers within the budget"
+    );
+    let head = b"<h/>";
+    let written = writer.finish_with_head(head).await.unwrap();
+    let mut whole = head.to_vec();
+    whole.extend_from_slice(&content);
+    assert_eq!(written.sha256_hex, sha256_hex(&whole));
+    assert!(bucket.read("r/held-spilled.xml").await.unwrap() == whole);
+    hog.abort().await.unwrap();
+    let snapshot = pool.snapshot();
+    assert_eq!(snapshot.in_flight_bytes, 0, "{snapshot:?}");
+    assert_eq!(snapshot.over_budget_bytes, 0, "{snapshot:?}");
+    assert_eq!(snapshot.spilled_bytes, 0);
+    let left = std::fs::read_dir(&spill_dir).unwrap().count();
+    std::fs::remove_dir_all(&spill_dir).unwrap();
+    assert_eq!(left, 0, "the held part's spill file is removed");
+}

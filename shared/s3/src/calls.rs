@@ -205,6 +205,82 @@ impl UploadTarget {
         Ok(output.e_tag)
     }
 
+    /// Reads the stored object back and returns its SHA-256 (lowercase
+    /// hex) and length: the digest of a document whose first part was
+    /// uploaded last, which no hash in part order can give, and a check of
+    /// what the server stored. Hashed on the blocking pool, 8 MiB at a
+    /// time; a failed read is read again from the start, with backoff.
+    pub async fn read_back_sha256(&self) -> Result<(String, u64), WriterError> {
+        use backon::BackoffBuilder as _;
+        let mut delays = self.retry.backoff().build();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self.read_back_once().await {
+                Ok(read) => return Ok(read),
+                Err(detail) => match delays.next() {
+                    Some(delay) if attempts < self.retry.max_attempts => {
+                        tracing::warn!(key = %self.key, attempts, %detail, "reading the document back failed; again");
+                        tokio::time::sleep(delay).await;
+                    }
+                    _ => {
+                        return Err(WriterError::S3 {
+                            operation: "GetObject",
+                            bucket: self.bucket.clone(),
+                            key: self.key.clone(),
+                            attempts,
+                            status: None,
+                            retryable: true,
+                            detail,
+                        });
+                    }
+                },
+            }
+        }
+    }
+
+    async fn read_back_once(&self) -> Result<(String, u64), String> {
+        use sha2::Digest as _;
+        const BATCH: usize = 8 * 1024 * 1024;
+        let output = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(&self.key)
+            .customize()
+            .config_override(self.call_settings())
+            .send()
+            .await
+            .map_err(|error| DisplayErrorContext(&error).to_string())?;
+        let mut body = output.body;
+        let mut hasher = sha2::Sha256::new();
+        let mut length = 0u64;
+        let mut batch = bytes::BytesMut::with_capacity(BATCH);
+        loop {
+            let chunk = body
+                .try_next()
+                .await
+                .map_err(|error| format!("reading the body: {error}"))?;
+            let last = chunk.is_none();
+            if let Some(chunk) = chunk {
+                length += chunk.len() as u64;
+                batch.extend_from_slice(&chunk);
+            }
+            if batch.len() >= BATCH || (last && !batch.is_empty()) {
+                let bytes = std::mem::replace(&mut batch, bytes::BytesMut::with_capacity(BATCH));
+                hasher = tokio::task::spawn_blocking(move || {
+                    hasher.update(&bytes);
+                    hasher
+                })
+                .await
+                .map_err(|error| format!("hashing ended without a result: {error}"))?;
+            }
+            if last {
+                return Ok((hex::encode(hasher.finalize()), length));
+            }
+        }
+    }
+
     /// Completes the upload from its parts, in part-number order.
     pub async fn complete_multipart_upload(
         &self,

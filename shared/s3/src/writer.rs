@@ -41,7 +41,7 @@ mod buffer;
 mod digest;
 mod upload;
 
-use buffer::PartBuffer;
+use buffer::{HeldPart, PartBuffer};
 use digest::HashChain;
 use upload::Upload;
 
@@ -86,6 +86,10 @@ pub struct MultipartWriter {
     document_hash: HashChain,
     bytes_accepted: u64,
     declared_maximum: u64,
+    /// Set by [`MultipartWriter::hold_first_part`].
+    hold_first: bool,
+    /// The first part, held until the document ends.
+    held: Option<HeldPart>,
 }
 
 impl MultipartWriter {
@@ -113,7 +117,23 @@ impl MultipartWriter {
             document_hash: HashChain::new(),
             bytes_accepted: 0,
             declared_maximum: policy.max_object_size,
+            hold_first: false,
+            held: None,
         })
+    }
+
+    /// Holds the document's first part until it ends, for a head known
+    /// only then (a header with the document's totals): the part stays in
+    /// memory (or in the spill file, where the pool had no room for it),
+    /// counted in the pool, and goes up last, as part 1 after `head`, by
+    /// [`finish_with_head`](Self::finish_with_head); S3 takes parts in any
+    /// order. A document of at most one part is still one PutObject. The
+    /// SHA-256 of such a document cannot be computed in part order, so the
+    /// stored object is read back once and hashed, which also checks what
+    /// the server stored. Call it before the first append.
+    pub fn hold_first_part(&mut self) {
+        debug_assert_eq!(self.bytes_accepted, 0, "held before any append");
+        self.hold_first = true;
     }
 
     pub fn key(&self) -> &str {
@@ -133,25 +153,30 @@ impl MultipartWriter {
     /// Bytes the writer holds now: the buffer being filled plus the parts in
     /// flight.
     pub fn buffered_bytes(&self) -> u64 {
-        self.part.buffered_bytes()
+        let held = self
+            .held
+            .as_ref()
+            .map_or(0, |held| held.len() - held.spilled_bytes());
+        self.part.buffered_bytes() + held
     }
 
     /// Memory the writer holds now: its buffer's capacity plus the parts in
     /// flight. What the pool's budget counts.
     pub fn held_bytes(&self) -> u64 {
-        self.part.held_bytes()
+        self.part.held_bytes() + self.held.as_ref().map_or(0, HeldPart::held_bytes)
     }
 
-    /// Bytes of the current part waiting in a spill file.
+    /// Bytes of the current part (and of a held first part) waiting in a
+    /// spill file.
     pub fn spilled_bytes(&self) -> u64 {
-        self.part.spilled_bytes()
+        self.part.spilled_bytes() + self.held.as_ref().map_or(0, HeldPart::spilled_bytes)
     }
 
     /// The most bytes the writer has held at once. Checked at every part
     /// boundary; an upper bound, as it pairs the fullest buffer with the
     /// in-flight bytes as they stood when that buffer started filling.
     pub fn peak_buffered_bytes(&self) -> u64 {
-        self.part.peak_bytes()
+        self.part.peak_bytes() + self.held.as_ref().map_or(0, HeldPart::held_bytes)
     }
 
     /// Appends `data`, of any size. Waits when the buffer is full and
@@ -193,9 +218,21 @@ impl MultipartWriter {
     /// Sends the last part and completes the upload, or stores a document of
     /// at most one part with one PutObject. On failure the multipart upload is
     /// aborted before the error is returned.
-    pub async fn finish(mut self) -> Result<WrittenObject, WriterError> {
+    pub async fn finish(self) -> Result<WrittenObject, WriterError> {
+        self.finish_with_head(&[]).await
+    }
+
+    /// [`finish`](Self::finish) with `head` stored before every byte
+    /// appended: with the first part held
+    /// ([`hold_first_part`](Self::hold_first_part)), the bytes that only
+    /// the document's end could give. Without it `head` must be empty.
+    pub async fn finish_with_head(mut self, head: &[u8]) -> Result<WrittenObject, WriterError> {
+        assert!(
+            self.hold_first || head.is_empty(),
+            "a head goes only before a held first part"
+        );
         poll_fn(|context| self.upload.poll_open(context)).await?;
-        match self.complete().await {
+        match self.complete(head).await {
             Ok(written) => {
                 self.upload.close_stored();
                 self.upload.target().counters.document_completed();
@@ -267,27 +304,64 @@ impl MultipartWriter {
     /// fewer than `max_in_flight` parts in flight) and the pool a permit for
     /// it, it leaves the buffer, takes the next place in the document's hash,
     /// and uploads in the background.
+    /// A first part to hold is kept instead (see
+    /// [`hold_first_part`](Self::hold_first_part)); the parts of such a
+    /// document are hashed when it is read back, not in part order.
     fn poll_send_part(&mut self, context: &mut Context<'_>) -> Poll<Result<(), WriterError>> {
+        if self.hold_first && self.held.is_none() && !self.upload.is_multipart() {
+            self.held = Some(self.part.take_held());
+            self.upload.reserve_first_part();
+            return Poll::Ready(Ok(()));
+        }
         ready!(self.upload.poll_room_for_part(context))?;
         let (body, memory) = ready!(self.part.poll_take(context));
-        self.upload
-            .send_part(body, memory, self.document_hash.link());
+        let hashing = (!self.hold_first).then(|| self.document_hash.link());
+        self.upload.send_part(body, memory, hashing);
         Poll::Ready(Ok(()))
     }
 
-    async fn complete(&mut self) -> Result<WrittenObject, WriterError> {
-        if !self.upload.is_multipart() {
+    async fn complete(&mut self, head: &[u8]) -> Result<WrittenObject, WriterError> {
+        self.refuse_past_declared_maximum(head.len())?;
+        if !self.upload.is_multipart() && self.held.is_none() {
             // At most one part: one PutObject, no multipart upload.
-            let (body, _memory) = poll_fn(|context| self.part.poll_take(context)).await;
+            let (mut body, _memory) = poll_fn(|context| self.part.poll_take(context)).await;
+            if !head.is_empty() {
+                let loaded = body.load().await;
+                let rest = self.spill_failure(loaded)?;
+                let mut whole = bytes::BytesMut::with_capacity(head.len() + rest.len());
+                whole.extend_from_slice(head);
+                whole.extend_from_slice(&rest);
+                body = buffer::PartBody::Memory(whole.freeze());
+            }
             let hashing = self.document_hash.link();
             let e_tag = self.upload.put_object(body, hashing).await?;
-            return self.written(1, true, e_tag).await;
+            return self.written(1, true, e_tag, head.len()).await;
         }
         if self.part.unsent() > 0 {
             poll_fn(|context| self.poll_send_part(context)).await?;
         }
+        if let Some(mut held) = self.held.take() {
+            // Reading a spilled part back needs an open upload's room no
+            // more than any part: it is the document's last call but one.
+            poll_fn(|context| self.upload.poll_room_for_part(context)).await?;
+            let first = held.with_head(head).await;
+            let first = self.spill_failure(first)?;
+            self.upload.upload_first_part(first).await?;
+            drop(held);
+        }
         let (parts, e_tag) = self.upload.complete().await?;
-        self.written(parts, false, e_tag).await
+        self.written(parts, false, e_tag, head.len()).await
+    }
+
+    fn spill_failure<T>(&self, loaded: Result<T, String>) -> Result<T, WriterError> {
+        loaded.map_err(|detail| {
+            let target = self.upload.target();
+            WriterError::Spill {
+                bucket: target.bucket.clone(),
+                key: target.key.clone(),
+                detail,
+            }
+        })
     }
 
     /// What was stored, once every part has been hashed.
@@ -296,21 +370,39 @@ impl MultipartWriter {
         parts: u32,
         single_put: bool,
         e_tag: Option<String>,
+        head_bytes: usize,
     ) -> Result<WrittenObject, WriterError> {
-        let document_hash = std::mem::replace(&mut self.document_hash, HashChain::new());
+        let bytes = self.bytes_accepted + head_bytes as u64;
         let target = self.upload.target();
-        let sha256_hex =
+        let sha256_hex = if self.hold_first && !single_put {
+            // Part 1 went up last: the object is hashed as stored.
+            let (sha256_hex, stored) = target.read_back_sha256().await?;
+            if stored != bytes {
+                return Err(WriterError::S3 {
+                    operation: "GetObject",
+                    bucket: target.bucket.clone(),
+                    key: target.key.clone(),
+                    attempts: 1,
+                    status: None,
+                    retryable: false,
+                    detail: format!("the stored object has {stored} bytes, not the {bytes} written"),
+                });
+            }
+            sha256_hex
+        } else {
+            let document_hash = std::mem::replace(&mut self.document_hash, HashChain::new());
             document_hash
                 .finish()
                 .await
                 .ok_or_else(|| WriterError::HashingInterrupted {
                     bucket: target.bucket.clone(),
                     key: target.key.clone(),
-                })?;
+                })?
+        };
         Ok(WrittenObject {
             bucket: target.bucket.clone(),
             key: target.key.clone(),
-            bytes: self.bytes_accepted,
+            bytes,
             parts,
             sha256_hex,
             single_put,

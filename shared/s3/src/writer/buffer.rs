@@ -342,6 +342,84 @@ impl PartBuffer {
     }
 }
 
+impl PartBuffer {
+    /// The current part (full), taken out to be held until the document
+    /// ends (see `MultipartWriter::hold_first_part`): no permit of the
+    /// pool's parts in flight, as it does not upload yet; its memory stays
+    /// counted as a buffer's, where it lies (in memory if the pool had room
+    /// for it as it filled, in the spill file otherwise), until the
+    /// [`HeldPart`] is dropped.
+    pub(super) fn take_held(&mut self) -> HeldPart {
+        self.footprint.peak = self.peak_bytes();
+        let counted = std::mem::take(&mut self.counted);
+        let buffer = std::mem::take(&mut self.buffer).freeze();
+        self.limit = self.part_size;
+        self.parts_taken += 1;
+        let body = match self.spill.take() {
+            None => PartBody::Memory(buffer),
+            Some(spill) => PartBody::Spilled {
+                spill,
+                tail: buffer,
+            },
+        };
+        HeldPart {
+            pool: self.pool.clone(),
+            counted,
+            body: Some(body),
+        }
+    }
+}
+
+/// A document's first part, held until its end (see
+/// [`PartBuffer::take_held`]).
+pub(super) struct HeldPart {
+    pool: Arc<MemoryPool>,
+    /// The buffer capacity it holds, as the pool counts it.
+    counted: u64,
+    body: Option<PartBody>,
+}
+
+impl HeldPart {
+    /// Memory it holds, as the pool counts it.
+    pub(super) fn held_bytes(&self) -> u64 {
+        self.counted
+    }
+
+    /// Bytes of it in a spill file.
+    pub(super) fn spilled_bytes(&self) -> u64 {
+        match &self.body {
+            Some(PartBody::Spilled { spill, .. }) => spill.len,
+            _ => 0,
+        }
+    }
+
+    /// Bytes of it.
+    pub(super) fn len(&self) -> u64 {
+        self.body.as_ref().map_or(0, PartBody::len)
+    }
+
+    /// `head` then its bytes, in memory (the spill file read back), once.
+    /// That memory stays counted in the pool until this is dropped: keep
+    /// it until the part is uploaded.
+    pub(super) async fn with_head(&mut self, head: &[u8]) -> Result<Bytes, String> {
+        let body = self.body.take().expect("a held part is loaded once");
+        let read_back = body.len() + head.len() as u64;
+        self.pool.force_reserve_buffer(read_back);
+        self.counted += read_back;
+        let part = body.load().await?;
+        let mut whole = BytesMut::with_capacity(head.len() + part.len());
+        whole.extend_from_slice(head);
+        whole.extend_from_slice(&part);
+        Ok(whole.freeze())
+    }
+}
+
+impl Drop for HeldPart {
+    fn drop(&mut self) {
+        self.pool.release_buffer(self.counted);
+    }
+}
+
 impl Drop for PartBuffer {
     /// The buffer's memory leaves the pool's count with the writer (a spill
     /// file removes itself).

@@ -182,7 +182,12 @@ impl Upload {
 
     /// Starts the upload of the next part, and its hashing, in a task of its
     /// own; call it once [`Self::poll_room_for_part`] is ready.
-    pub(super) fn send_part(&mut self, body: PartBody, memory: InFlightMemory, hashing: HashLink) {
+    pub(super) fn send_part(
+        &mut self,
+        body: PartBody,
+        memory: InFlightMemory,
+        hashing: Option<HashLink>,
+    ) {
         let State::Open(upload) = &mut self.state else {
             panic!("parts are sent into an open upload");
         };
@@ -196,16 +201,42 @@ impl Upload {
             // so the accounting covers every reference to its buffer.
             let in_flight = in_flight;
             let part = load(body, &target).await?;
-            let uploaded = hashing
-                .hash_while(part.clone(), target.signs_payload(), |payload_sha256| {
-                    target.upload_part(&upload_id, part_number, &part, payload_sha256)
-                })
-                .await;
+            let uploaded = match hashing {
+                Some(hashing) => {
+                    hashing
+                        .hash_while(part.clone(), target.signs_payload(), |payload_sha256| {
+                            target.upload_part(&upload_id, part_number, &part, payload_sha256)
+                        })
+                        .await
+                }
+                None => target.upload_part(&upload_id, part_number, &part, None).await,
+            };
             if uploaded.is_ok() {
                 in_flight.memory.give_back(part);
             }
             uploaded
         });
+    }
+
+    /// Keeps part number 1 for a part uploaded last
+    /// ([`Self::upload_first_part`]); the parts sent from now on are 2, 3...
+    pub(super) fn reserve_first_part(&mut self) {
+        debug_assert_eq!(self.parts_sent, 0);
+        self.parts_sent = 1;
+    }
+
+    /// Uploads the part reserved by [`Self::reserve_first_part`], now
+    /// that its bytes are known, into the open upload.
+    pub(super) async fn upload_first_part(&mut self, part: Bytes) -> Result<(), WriterError> {
+        let State::Open(upload) = &mut self.state else {
+            panic!("the first part goes into an open upload");
+        };
+        let completed = self
+            .target
+            .upload_part(&upload.upload_id, 1, &part, None)
+            .await?;
+        upload.completed_parts.push(completed);
+        Ok(())
     }
 
     /// Stores a whole document of at most one part with one PutObject (no
