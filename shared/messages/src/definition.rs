@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::CURRENT_VERSION;
 use crate::fields::{Field, FieldKind, FieldsError, Undeclared, check_fields};
+use crate::header::{HeaderError, HeaderSpec};
 use crate::key_template::{self, TemplateError};
 use crate::window::{WindowError, WindowSpec};
 
@@ -67,6 +68,10 @@ pub struct Definition {
     /// close each document.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub totals: Vec<String>,
+    /// An element before the first record holding values of the document
+    /// (its totals among them) and constants (see [`crate::header`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<HeaderSpec>,
 }
 
 fn is_false(flag: &bool) -> bool {
@@ -103,6 +108,7 @@ impl Default for Definition {
             fields: Vec::new(),
             undeclared: Undeclared::Keep,
             totals: Vec::new(),
+            header: None,
         }
     }
 }
@@ -151,6 +157,8 @@ pub enum DefinitionError {
     TypedAttribute(String),
     #[error("prefix {0:?} needs a namespace to stand for")]
     PrefixWithoutNamespace(String),
+    #[error(transparent)]
+    Header(#[from] HeaderError),
 }
 
 impl Definition {
@@ -166,14 +174,20 @@ impl Definition {
     /// fields refuses such a definition by name rather than render it
     /// untyped.
     pub const TYPED_VERSION: u32 = 4;
+    /// The first version with `header`: a release that cannot hold a
+    /// document's first part for its header refuses such a definition
+    /// rather than write reports without it.
+    pub const HEADER_VERSION: u32 = 5;
     /// The newest definition version this release reads.
-    pub const NEWEST_VERSION: u32 = Definition::TYPED_VERSION;
+    pub const NEWEST_VERSION: u32 = Definition::HEADER_VERSION;
 
     /// The version to publish this definition with: the oldest that holds
     /// everything it asks for, so definitions without gzip, windows or key
     /// templates stay readable by every release.
     pub fn required_version(&self) -> u32 {
-        if self.is_typed()
+        if self.header.is_some() {
+            Definition::HEADER_VERSION
+        } else if self.is_typed()
             || !self.totals.is_empty()
             || !self.undeclared.is_keep()
             || self.prefix.is_some()
@@ -235,6 +249,13 @@ impl Definition {
         }
         if let Some(window) = &self.window {
             window.schedule()?;
+        }
+        if let Some(header) = &self.header {
+            header.validate(
+                &self.totals,
+                self.window.is_some(),
+                &[&self.root, &self.record, SUMMARY_ELEMENT],
+            )?;
         }
         if let Some(template) = &self.key_template {
             key_template::validate(template, self.gzip)?;

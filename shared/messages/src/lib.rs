@@ -25,6 +25,7 @@ pub mod batch;
 mod definition;
 pub mod events;
 pub mod fields;
+pub mod header;
 pub mod key_template;
 pub mod layout;
 pub mod log;

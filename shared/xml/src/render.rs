@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use quick_xml::escape::partial_escape;
 use quick_xml::events::attributes::Attribute;
+use quire_messages::header::{HeaderSpec, HeaderValue};
 use quire_messages::{Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name};
 use serde_json::{Map, Value};
 
@@ -65,6 +66,29 @@ pub struct SummaryWindow<'a> {
     pub sequence: u32,
 }
 
+/// What a document's header is filled with, known when it ends.
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderValues<'a> {
+    pub stream: &'a str,
+    pub partition: i32,
+    pub summary: &'a Summary<'a>,
+    pub window: Option<&'a SummaryWindow<'a>>,
+    /// RFC 3339 (see [`log_time_text`]); `None` without records.
+    pub first_log_time: Option<&'a str>,
+    pub last_log_time: Option<&'a str>,
+    pub totals: &'a [FieldTotal],
+}
+
+/// A log time (milliseconds since the epoch) as a header writes it: UTC,
+/// with milliseconds, `2026-12-07T08:07:39.123Z`, the same on every replay.
+pub fn log_time_text(time_ms: i64) -> String {
+    match jiff::Timestamp::from_millisecond(time_ms) {
+        Ok(time) => time.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
+        // Out of jiff's range (year -9999 to 9999): no broker writes it.
+        Err(_) => "1970-01-01T00:00:00.000Z".to_owned(),
+    }
+}
+
 /// Renders documents of one definition. Everything the definition decides
 /// (names, renames, which fields are attributes) is worked out once here, so
 /// that rendering a record only walks the record.
@@ -90,6 +114,8 @@ pub struct DocumentRenderer {
     summary_name: String,
     /// `total`, or `{prefix}:total`.
     total_name: String,
+    /// The definition's header, with its element's qualified name.
+    header: Option<(String, HeaderSpec)>,
     /// A typed definition's fields, written in their order.
     typed: Option<TypedLayout>,
     /// A typed definition's check, run on every record before it is
@@ -175,6 +201,10 @@ impl DocumentRenderer {
             named_top_level_fields: named_top_level_fields(definition),
             summary_name: qualified(Cow::Borrowed(SUMMARY_ELEMENT)),
             total_name: qualified(Cow::Borrowed(TOTAL_ELEMENT)),
+            header: definition
+                .header
+                .as_ref()
+                .map(|header| (qualified(definition_name(&header.element)), header.clone())),
             typed: definition.is_typed().then(|| TypedLayout {
                 fields: definition.fields.clone(),
                 keep_undeclared: definition.undeclared.is_keep(),
@@ -335,23 +365,71 @@ impl DocumentRenderer {
             out.extend_from_slice(b"/>\n");
         } else {
             out.push(b'>');
-            for total in totals {
-                out.push(b'<');
-                out.extend_from_slice(self.total_name.as_bytes());
-                write_document_attribute(out, "field", &total.field);
-                write_number_attribute(out, "count", total.count);
-                write_raw_attribute(out, "sum", &total.sum);
-                if let (Some(min), Some(max)) = (&total.min, &total.max) {
-                    write_raw_attribute(out, "min", min);
-                    write_raw_attribute(out, "max", max);
-                }
-                out.extend_from_slice(b"/>");
-            }
+            self.write_totals(out, totals);
             out.extend_from_slice(b"</");
             out.extend_from_slice(self.summary_name.as_bytes());
             out.extend_from_slice(b">\n");
         }
         out.extend_from_slice(&self.document_end);
+    }
+
+    /// One `<total field count sum min max/>` per total, in order.
+    fn write_totals(&self, out: &mut Vec<u8>, totals: &[FieldTotal]) {
+        for total in totals {
+            out.push(b'<');
+            out.extend_from_slice(self.total_name.as_bytes());
+            write_document_attribute(out, "field", &total.field);
+            write_number_attribute(out, "count", total.count);
+            write_raw_attribute(out, "sum", &total.sum);
+            if let (Some(min), Some(max)) = (&total.min, &total.max) {
+                write_raw_attribute(out, "min", min);
+                write_raw_attribute(out, "max", max);
+            }
+            out.extend_from_slice(b"/>");
+        }
+    }
+
+    /// Whether the definition has a header: its documents' first part is
+    /// held until they end, and [`header`](Self::header) is written after
+    /// [`start`](Self::start), before the records.
+    pub fn has_header(&self) -> bool {
+        self.header.is_some()
+    }
+
+    /// Writes the header element, its declared children in order (a value
+    /// the document lacks, such as the log time of a document without
+    /// records, leaves its child out), then the totals if it asks for them.
+    /// Nothing without a header.
+    pub fn header(&self, out: &mut Vec<u8>, values: &HeaderValues<'_>) {
+        let Some((name, spec)) = &self.header else {
+            return;
+        };
+        out.push(b'<');
+        out.extend_from_slice(name.as_bytes());
+        out.push(b'>');
+        for field in &spec.fields {
+            let text = match (field.value, &field.constant) {
+                (Some(value), _) => header_value(value, field.of.as_deref(), values),
+                (None, Some(constant)) => Some(Cow::Borrowed(constant.as_str())),
+                (None, None) => None,
+            };
+            let Some(text) = text else {
+                continue;
+            };
+            out.push(b'<');
+            out.extend_from_slice(field.name.as_bytes());
+            out.push(b'>');
+            write_header_text(out, &text);
+            out.extend_from_slice(b"</");
+            out.extend_from_slice(field.name.as_bytes());
+            out.push(b'>');
+        }
+        if spec.totals {
+            self.write_totals(out, values.totals);
+        }
+        out.extend_from_slice(b"</");
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b">\n");
     }
 
     /// The attribute fields' scalar values, in the record's field order.
@@ -401,6 +479,12 @@ pub fn check_definition(definition: &Definition) -> Result<(), DefinitionError> 
     let chosen_names = [("root", &definition.root), ("record", &definition.record)]
         .into_iter()
         .chain(definition.prefix.iter().map(|prefix| ("prefix", prefix)))
+        .chain(
+            definition
+                .header
+                .iter()
+                .map(|header| ("header element", &header.element)),
+        )
         .chain(
             definition
                 .renames
@@ -583,6 +667,54 @@ fn is_scalar(value: &Value) -> bool {
 
 fn boolean_text(flag: bool) -> &'static str {
     if flag { "true" } else { "false" }
+}
+
+/// The text of one header value, `None` when the document lacks it.
+fn header_value<'a>(
+    value: HeaderValue,
+    of: Option<&str>,
+    values: &HeaderValues<'a>,
+) -> Option<Cow<'a, str>> {
+    let total = || values.totals.iter().find(|total| Some(total.field.as_str()) == of);
+    let owned = |text: String| Some(Cow::Owned(text));
+    match value {
+        HeaderValue::Stream => Some(Cow::Borrowed(values.stream)),
+        HeaderValue::ReportId => Some(Cow::Borrowed(values.summary.report_id)),
+        HeaderValue::Partition => owned(values.partition.to_string()),
+        HeaderValue::FirstOffset => owned(values.summary.first_offset.to_string()),
+        HeaderValue::LastOffset => owned(values.summary.last_offset.to_string()),
+        HeaderValue::Records => owned(values.summary.records.to_string()),
+        HeaderValue::FirstLogTime => values.first_log_time.map(Cow::Borrowed),
+        HeaderValue::LastLogTime => values.last_log_time.map(Cow::Borrowed),
+        HeaderValue::WindowStart => values.window.map(|window| Cow::Borrowed(window.start)),
+        HeaderValue::WindowEnd => values.window.map(|window| Cow::Borrowed(window.end)),
+        HeaderValue::WindowSequence => values.window.and_then(|window| owned(window.sequence.to_string())),
+        HeaderValue::Count => total().and_then(|total| owned(total.count.to_string())),
+        HeaderValue::Sum => total().map(|total| Cow::Owned(total.sum.clone())),
+        HeaderValue::Min => total().and_then(|total| total.min.clone()).map(Cow::Owned),
+        HeaderValue::Max => total().and_then(|total| total.max.clone()).map(Cow::Owned),
+    }
+}
+
+/// Element text, escaped; a character XML 1.0 forbids (a constant checked
+/// at PUT cannot hold one) is written as U+FFFD rather than break the
+/// document.
+fn write_header_text(out: &mut Vec<u8>, text: &str) {
+    if first_forbidden_character(text).is_none() {
+        out.extend_from_slice(partial_escape(text).as_bytes());
+        return;
+    }
+    let replaced: String = text
+        .chars()
+        .map(|character| {
+            if is_forbidden_character(character) {
+                char::REPLACEMENT_CHARACTER
+            } else {
+                character
+            }
+        })
+        .collect();
+    out.extend_from_slice(partial_escape(replaced.as_str()).as_bytes());
 }
 
 /// ` name="value"` with the value escaped by quick-xml's attribute escaping,

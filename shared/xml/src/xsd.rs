@@ -17,6 +17,7 @@ use std::fmt::Write as _;
 
 use quick_xml::escape::escape;
 use quire_messages::fields::{Field, FieldKind, UNDECLARED_ELEMENT};
+use quire_messages::header::{HeaderSpec, HeaderType, HeaderValue};
 use quire_messages::{Definition, SUMMARY_ELEMENT};
 use sha2::{Digest, Sha256};
 
@@ -45,6 +46,9 @@ pub fn schema_for(definition: &Definition) -> String {
     };
     let _ = writeln!(out, "  <xs:element name=\"{}\">", definition.root);
     out.push_str("    <xs:complexType>\n      <xs:sequence>\n");
+    if let Some(header) = &definition.header {
+        write_header(&mut out, header, form);
+    }
     let _ = writeln!(
         out,
         "        <xs:element name=\"{}\"{form} minOccurs=\"0\" maxOccurs=\"unbounded\">",
@@ -217,10 +221,69 @@ fn write_simple_type(out: &mut String, field: &Field, indent: usize, tag: &str) 
     let _ = writeln!(out, "{pad}</{tag}>");
 }
 
+/// Exact decimal text of any size: not xs:decimal, which validators read
+/// only to 18 digits (libxml2 to 24).
+const DECIMAL_TEXT: &str = "<xs:simpleType><xs:restriction base=\"xs:string\"><xs:pattern value=\"-?[0-9]+(\\.[0-9]+)?\"/></xs:restriction></xs:simpleType>";
+
+/// The header element: its declared children in order (those a document
+/// may lack optional), then its totals.
+fn write_header(out: &mut String, header: &HeaderSpec, form: &str) {
+    let pad = " ".repeat(8);
+    let _ = writeln!(out, "{pad}<xs:element name=\"{}\"{form}>", header.element);
+    let _ = writeln!(out, "{pad}  <xs:complexType>");
+    let _ = writeln!(out, "{pad}    <xs:sequence>");
+    for field in &header.fields {
+        let min = if field.value.is_some_and(HeaderValue::may_be_absent) {
+            " minOccurs=\"0\""
+        } else {
+            ""
+        };
+        let _ = write!(out, "{pad}      <xs:element name=\"{}\"{min}", field.name);
+        let type_ = match field.value.map(HeaderValue::header_type) {
+            None | Some(HeaderType::String) => "xs:string",
+            Some(HeaderType::Integer) => "xs:integer",
+            Some(HeaderType::DateTime) => "xs:dateTime",
+            Some(HeaderType::Decimal) => {
+                let _ = writeln!(out, ">{DECIMAL_TEXT}</xs:element>");
+                continue;
+            }
+        };
+        let _ = writeln!(out, " type=\"{type_}\"/>");
+    }
+    if header.totals {
+        write_total_element(out, form, 14);
+    }
+    let _ = writeln!(out, "{pad}    </xs:sequence>");
+    let _ = writeln!(out, "{pad}  </xs:complexType>");
+    let _ = writeln!(out, "{pad}</xs:element>");
+}
+
 fn write_summary_type(out: &mut String, form: &str) {
     let pad = " ".repeat(10);
     let _ = writeln!(out, "{pad}<xs:complexType>");
     let _ = writeln!(out, "{pad}  <xs:sequence>");
+    write_total_element(out, form, 14);
+    let _ = writeln!(out, "{pad}  </xs:sequence>");
+    for (name, type_, use_) in [
+        ("records", "xs:nonNegativeInteger", "required"),
+        ("first-offset", "xs:long", "required"),
+        ("last-offset", "xs:long", "required"),
+        ("report-id", "xs:string", "required"),
+        ("window-start", "xs:dateTime", "optional"),
+        ("window-end", "xs:dateTime", "optional"),
+        ("window-sequence", "xs:positiveInteger", "optional"),
+    ] {
+        let _ = writeln!(
+            out,
+            "{pad}  <xs:attribute name=\"{name}\" type=\"{type_}\" use=\"{use_}\"/>"
+        );
+    }
+    let _ = writeln!(out, "{pad}</xs:complexType>");
+}
+
+/// The `total` element, as the summary and the header hold it.
+fn write_total_element(out: &mut String, form: &str, indent: usize) {
+    let pad = " ".repeat(indent - 4);
     let _ = writeln!(
         out,
         "{pad}    <xs:element name=\"{TOTAL_ELEMENT}\"{form} minOccurs=\"0\" maxOccurs=\"unbounded\"><xs:complexType>"
@@ -247,22 +310,6 @@ fn write_summary_type(out: &mut String, form: &str) {
         );
     }
     let _ = writeln!(out, "{pad}    </xs:complexType></xs:element>");
-    let _ = writeln!(out, "{pad}  </xs:sequence>");
-    for (name, type_, use_) in [
-        ("records", "xs:nonNegativeInteger", "required"),
-        ("first-offset", "xs:long", "required"),
-        ("last-offset", "xs:long", "required"),
-        ("report-id", "xs:string", "required"),
-        ("window-start", "xs:dateTime", "optional"),
-        ("window-end", "xs:dateTime", "optional"),
-        ("window-sequence", "xs:positiveInteger", "optional"),
-    ] {
-        let _ = writeln!(
-            out,
-            "{pad}  <xs:attribute name=\"{name}\" type=\"{type_}\" use=\"{use_}\"/>"
-        );
-    }
-    let _ = writeln!(out, "{pad}</xs:complexType>");
 }
 
 #[cfg(test)]
