@@ -183,13 +183,18 @@ pub struct Report {
 
 impl Report {
     /// The records of the document, each as (field name -> text) of its
-    /// child elements, parsed by an independent XML parser.
+    /// child elements, parsed by an independent XML parser (the summary
+    /// and a header named `header` left out).
     pub fn records(&self) -> Vec<BTreeMap<String, String>> {
         let text = std::str::from_utf8(&self.document).expect("UTF-8 document");
         let document = roxmltree::Document::parse(text).expect("well-formed XML");
         let root = document.root_element();
         root.children()
-            .filter(|node| node.is_element() && node.tag_name().name() != "summary")
+            .filter(|node| {
+                // The summary, and a definition's header (the tests keep
+                // its default name): not records.
+                node.is_element() && !matches!(node.tag_name().name(), "summary" | "header")
+            })
             .map(|record| {
                 record
                     .children()

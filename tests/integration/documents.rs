@@ -8,7 +8,9 @@
 //!   beside it and as the API serves it, with a real validator (xmllint);
 //! - each report's trailer total equals the exact sum of its own records'
 //!   amounts, computed here in integer cents (the amounts have 16 digits
-//!   before the point: a float sum would be off);
+//!   before the point: a float sum would be off), and so do its header's
+//!   control sum and totals, written before its first record (the header
+//!   also names the report id, the window, the log times and a constant);
 //! - arrays holding a record the definition refuses are answered 422
 //!   naming the record, the field and the expected type, and none of their
 //!   records appears anywhere;
@@ -48,9 +50,25 @@ fn definition() -> Value {
         ],
         "undeclared": "refuse",
         "totals": ["amount"],
-        "window": {"every": "3s", "time_zone": "Europe/Paris", "grace": "1s"}
+        "window": {"every": "3s", "time_zone": "Europe/Paris", "grace": "1s"},
+        // ISO 20022's group header: known at the end, written first.
+        "header": {
+            "fields": [
+                {"name": "MsgId", "value": "report_id"},
+                {"name": "NbOfTxs", "value": "records"},
+                {"name": "CtrlSum", "value": "sum", "of": "amount"},
+                {"name": "From", "value": "window_start"},
+                {"name": "FirstLogTime", "value": "first_log_time"},
+                {"name": "LastLogTime", "value": "last_log_time"},
+                {"name": "InitgPty", "constant": INITIATING_PARTY}
+            ],
+            "totals": true
+        }
     })
 }
+
+/// A header constant, with what XML must escape.
+const INITIATING_PARTY: &str = "Quire <Test> & Co \"ledger\"";
 
 /// The amount of record `seq`, in cents: large (16 digits before the
 /// point), some negative, every scale the definition allows.
@@ -339,6 +357,35 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
         validate(&schemas[file], &report.document, id)
             .unwrap_or_else(|complaint| panic!("{id} does not validate: {complaint}\n{text}"));
 
+        // The header comes first, before every record, and holds what
+        // only the document's end knows.
+        let header = root
+            .children()
+            .find(|node| node.is_element())
+            .expect("a first element");
+        assert_eq!(
+            (header.tag_name().namespace(), header.tag_name().name()),
+            (Some(NAMESPACE), "header"),
+            "{id}: the header first"
+        );
+        let child = |name: &str| {
+            header
+                .children()
+                .find(|node| node.is_element() && node.tag_name().name() == name)
+                .and_then(|node| node.text().map(str::to_owned))
+        };
+        assert_eq!(child("MsgId").as_deref(), Some(id.as_str()), "{id}");
+        assert_eq!(
+            child("From").as_deref(),
+            report.manifest["window_start"].as_str(),
+            "{id}"
+        );
+        assert_eq!(child("InitgPty").as_deref(), Some(INITIATING_PARTY), "{id}");
+        let header_total = header
+            .children()
+            .find(|node| node.is_element() && node.tag_name().name() == "total")
+            .unwrap_or_else(|| panic!("{id}: no total in the header"));
+
         // The trailer's total is the exact sum of the report's amounts.
         let summary = root
             .children()
@@ -356,6 +403,32 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
             .collect();
         assert_eq!(total.attribute("field"), Some("amount"));
         assert_eq!(
+            child("NbOfTxs"),
+            Some(seqs.len().to_string()),
+            "{id}: the header's count"
+        );
+        for attribute in ["field", "count", "sum", "min", "max"] {
+            assert_eq!(
+                header_total.attribute(attribute),
+                total.attribute(attribute),
+                "{id}: the header's {attribute} is the trailer's"
+            );
+        }
+        assert_eq!(
+            child("CtrlSum").as_deref(),
+            total.attribute("sum"),
+            "{id}: the control sum is the trailer's"
+        );
+        let (first, last) = (child("FirstLogTime"), child("LastLogTime"));
+        assert_eq!(
+            (first.is_some(), last.is_some()),
+            (!seqs.is_empty(), !seqs.is_empty()),
+            "{id}: log times exactly when there are records"
+        );
+        if let (Some(first), Some(last)) = (&first, &last) {
+            assert!(first <= last && first.ends_with('Z'), "{id}: {first} .. {last}");
+        }
+        assert_eq!(
             total.attribute("count"),
             Some(seqs.len().to_string().as_str()),
             "{id}"
@@ -367,6 +440,8 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
         let expected: i128 = seqs.iter().map(|&seq| cents_of(seq)).sum();
         let written = total.attribute("sum").expect("a sum");
         assert_eq!(cents_in(written), expected, "{id}: sum {written}");
+        let control_sum = child("CtrlSum").expect("a control sum");
+        assert_eq!(cents_in(&control_sum), expected, "{id}: header sum {control_sum}");
         let min = seqs.iter().map(|&seq| cents_of(seq)).min().unwrap();
         let max = seqs.iter().map(|&seq| cents_of(seq)).max().unwrap();
         assert_eq!(cents_in(total.attribute("min").unwrap()), min, "{id}: min");

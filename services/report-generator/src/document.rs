@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use quire_messages::window::Window;
 use quire_s3::{MemoryPool, MultipartWriter, S3Bucket, UploadPolicy, WrittenObject};
-use quire_xml::{DocumentRenderer, RenderError, Summary, SummaryWindow, Totals};
+use quire_xml::{DocumentRenderer, HeaderValues, RenderError, Summary, SummaryWindow, Totals};
 
 use crate::WorkerError;
 use crate::decide::DocumentStats;
@@ -161,6 +161,12 @@ impl GzipStage {
         Ok(&self.spare)
     }
 
+    /// A whole gzip member of `xml` alone.
+    fn finish_with(mut self, xml: &[u8]) -> std::io::Result<Vec<u8>> {
+        self.encoder.write_all(xml)?;
+        self.encoder.finish()
+    }
+
     /// Ends the stream: the last compressed bytes and the gzip trailer.
     fn finish(self) -> std::io::Result<(Vec<u8>, u64)> {
         Ok((self.encoder.finish()?, self.uncompressed))
@@ -241,10 +247,16 @@ impl OpenDocument {
         let mut encoding = Encoding::for_definition(definition, bucket.memory());
         let content_type = layout::content_type_for_key(&key);
         let mut writer = bucket.typed_writer(key, content_type, policy)?;
-        let mut scratch = Vec::with_capacity(4096);
-        renderer.start(&mut scratch, stream.as_str(), partition, first_offset);
-        write_xml(&mut encoding, &mut writer, &scratch).await?;
-        scratch.clear();
+        let scratch = Vec::with_capacity(4096);
+        if renderer.has_header() {
+            // The root and the header are written last, before the first
+            // part (see `complete`).
+            writer.hold_first_part();
+        } else {
+            let mut start = Vec::with_capacity(512);
+            renderer.start(&mut start, stream.as_str(), partition, first_offset);
+            write_xml(&mut encoding, &mut writer, &start).await?;
+        }
         Ok(OpenDocument {
             stream,
             partition,
@@ -379,6 +391,38 @@ impl OpenDocument {
             &totals,
         );
         write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
+        // A header's document: the declaration, the root and the header,
+        // filled in now, go before the first part.
+        let mut head = Vec::new();
+        if self.renderer.has_header() {
+            let first_log_time = self.first_record_time_ms.map(quire_xml::log_time_text);
+            let last_log_time = self.last_record_time_ms.map(quire_xml::log_time_text);
+            let summary = Summary {
+                records: self.records,
+                first_offset: self.first_offset,
+                last_offset: report_id.offset,
+                report_id: &report_id_text,
+            };
+            self.renderer.start(
+                &mut head,
+                self.stream.as_str(),
+                self.partition,
+                self.first_offset,
+            );
+            self.renderer.header(
+                &mut head,
+                &HeaderValues {
+                    stream: self.stream.as_str(),
+                    partition: self.partition,
+                    summary: &summary,
+                    window: summary_window.as_ref(),
+                    first_log_time: first_log_time.as_deref(),
+                    last_log_time: last_log_time.as_deref(),
+                    totals: &totals,
+                },
+            );
+        }
+        let head_xml = head.len() as u64;
         let uncompressed_bytes = match self.encoding {
             Encoding::Plain => None,
             Encoding::Gzip(stage) => {
@@ -386,7 +430,16 @@ impl OpenDocument {
                     .finish()
                     .map_err(|error| compression_failed(self.writer.key(), &error))?;
                 self.writer.append(&trailer).await?;
-                Some(uncompressed)
+                if !head.is_empty() {
+                    // Its own gzip member, ahead of the records' member:
+                    // RFC 1952 readers (gunzip, browsers, MultiGzDecoder)
+                    // read the members one after the other as one text.
+                    let member = GzipStage::new(None);
+                    head = member
+                        .finish_with(&head)
+                        .map_err(|error| compression_failed(self.writer.key(), &error))?;
+                }
+                Some(uncompressed + head_xml)
             }
         };
         let WrittenObject {
@@ -395,7 +448,7 @@ impl OpenDocument {
             sha256_hex,
             e_tag,
             ..
-        } = self.writer.finish().await?;
+        } = self.writer.finish_with_head(&head).await?;
         let manifest = Manifest {
             v: CURRENT_VERSION,
             report_id: report_id.clone(),
@@ -729,6 +782,41 @@ mod tests {
         }
         pieces.push(b"<summary records=\"5000\"/></report>\n".to_vec());
         pieces
+    }
+
+    /// A header's document under gzip: the head is a gzip member of its
+    /// own, stored before the records' member; a multi-member reader (and
+    /// gunzip) reads the whole document, and the head's member is the same
+    /// bytes every time.
+    #[test]
+    fn a_head_member_before_the_records_member_gunzips_to_the_whole_document() {
+        let pieces = sample_pieces();
+        let (head, records) = pieces.split_at(1);
+        let borrowed: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
+        let records_member = gzip_document(&borrowed);
+        let head_member = GzipStage::new(None).finish_with(&head[0]).unwrap();
+        assert_eq!(
+            head_member,
+            GzipStage::new(None).finish_with(&head[0]).unwrap(),
+            "the same head compresses to the same bytes"
+        );
+        let stored = [head_member, records_member].concat();
+        let mut xml = Vec::new();
+        flate2::read::MultiGzDecoder::new(stored.as_slice())
+            .read_to_end(&mut xml)
+            .unwrap();
+        assert_eq!(xml, pieces.concat());
+        let dir = std::env::temp_dir().join(format!("quire-gz-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("members.xml.gz");
+        std::fs::write(&file, &stored).unwrap();
+        let gunzip = std::process::Command::new("gzip")
+            .args(["-dc", file.to_str().unwrap()])
+            .output()
+            .expect("gzip is installed");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(gunzip.status.success());
+        assert_eq!(gunzip.stdout, pieces.concat(), "gunzip reads every member");
     }
 
     #[test]

@@ -774,6 +774,78 @@ mod tests {
         serde_json::from_str(json).expect("a definition")
     }
 
+    /// The header goes before the first record, in the namespace like the
+    /// summary, its children unqualified like the fields, each value the
+    /// document's, the constant escaped, its totals the trailer's; a value
+    /// the document lacks is left out.
+    #[test]
+    fn a_header_holds_the_documents_values_and_the_trailers_totals() {
+        let definition = definition(
+            r#"{"root": "ledger", "record": "entry", "namespace": "urn:example:ledger",
+                "prefix": "lg", "totals": ["amount"],
+                "fields": [{"name": "amount", "type": "decimal", "required": true}],
+                "window": {"every": "1h", "time_zone": "Europe/Paris"},
+                "header": {"fields": [
+                    {"name": "MsgId", "value": "report_id"},
+                    {"name": "NbOfTxs", "value": "records"},
+                    {"name": "CtrlSum", "value": "sum", "of": "amount"},
+                    {"name": "From", "value": "window_start"},
+                    {"name": "Last", "value": "last_log_time"},
+                    {"name": "Party", "constant": "A & B <co>"}
+                ], "totals": true}}"#,
+        );
+        check_definition(&definition).unwrap();
+        let renderer = DocumentRenderer::new(&definition);
+        assert!(renderer.has_header());
+        let summary = Summary {
+            records: 2,
+            first_offset: 40,
+            last_offset: 43,
+            report_id: "ledger~3-43",
+        };
+        let window = SummaryWindow {
+            start: "2026-12-07T09:00:00+01:00",
+            end: "2026-12-07T10:00:00+01:00",
+            sequence: 1,
+        };
+        let totals = [FieldTotal {
+            field: "amount".into(),
+            count: 2,
+            sum: "12.50".into(),
+            min: Some("2.25".into()),
+            max: Some("10.25".into()),
+        }];
+        let values = |last: Option<&'static str>| HeaderValues {
+            stream: "ledger",
+            partition: 3,
+            summary: &summary,
+            window: Some(&window),
+            first_log_time: None,
+            last_log_time: last,
+            totals: &totals,
+        };
+        let mut out = Vec::new();
+        renderer.header(&mut out, &values(Some("2026-12-07T08:30:00.125Z")));
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            concat!(
+                "<lg:header><MsgId>ledger~3-43</MsgId><NbOfTxs>2</NbOfTxs><CtrlSum>12.50</CtrlSum>",
+                "<From>2026-12-07T09:00:00+01:00</From><Last>2026-12-07T08:30:00.125Z</Last>",
+                "<Party>A &amp; B &lt;co&gt;</Party>",
+                "<lg:total field=\"amount\" count=\"2\" sum=\"12.50\" min=\"2.25\" max=\"10.25\"/>",
+                "</lg:header>\n"
+            )
+        );
+        let mut without = Vec::new();
+        renderer.header(&mut without, &values(None));
+        assert!(!String::from_utf8(without).unwrap().contains("<Last>"));
+        assert_eq!(log_time_text(1_796_630_976_125), "2026-12-07T08:09:36.125Z");
+        // No header, nothing written.
+        let mut none = Vec::new();
+        DocumentRenderer::new(&Definition::default()).header(&mut none, &values(None));
+        assert!(none.is_empty());
+    }
+
     /// Each definition the renderer would change without a word is
     /// refused, naming what it is about; each still passes the log's
     /// older check, so workers render what is in the log as before.

@@ -100,6 +100,10 @@ const SCENARIOS: &[(&str, &str)] = &[
     ("one_put", "built in memory, 1 PutObject"),
     ("large_writer", "our writer, large document, 64 KiB appends"),
     ("large_ceiling", "bytes in memory, plain UploadPart calls"),
+    (
+        "large_writer_held",
+        "as large_writer, first part held for a header",
+    ),
     ("tiny_appends_unsigned", "as tiny_appends, unsigned payload"),
     ("object_store_unsigned", "as object_store, unsigned payload"),
     ("large_writer_unsigned", "as large_writer, unsigned payload"),
@@ -193,6 +197,18 @@ pub async fn run(args: WriterArgs) -> anyhow::Result<()> {
             speedup("tiny_appends", "one_put", seconds),
         );
     }
+    // A header's cost: the first part held to the end (memory), and the
+    // document read back once for its SHA-256 (time).
+    let held = find("large_writer_held");
+    let plain = find("large_writer");
+    println!(
+        "header (first part held): time vs large_writer={:.2} (median) {:.2} (best); peak RSS {:.0} MiB vs {:.0} MiB (+{:.0} MiB)",
+        held.median_seconds / plain.median_seconds,
+        held.best_seconds / plain.best_seconds,
+        held.peak_rss_bytes as f64 / MIB as f64,
+        plain.peak_rss_bytes as f64 / MIB as f64,
+        (held.peak_rss_bytes as f64 - plain.peak_rss_bytes as f64) / MIB as f64,
+    );
     drop(bucket);
     // The headline: medians, defaults (payloads signed on every side).
     println!(
@@ -256,7 +272,8 @@ pub async fn scenario(name: &str, args: &[String]) -> anyhow::Result<(f64, f64)>
         "one_append" => one_append(&client, &parameters, sign_payload, &key).await?,
         "object_store" => object_store_writer(&parameters, sign_payload, &key).await?,
         "one_put" if sign_payload => one_put(&client, &parameters, &key).await?,
-        "large_writer" => large_writer(&client, &parameters, sign_payload, &key).await?,
+        "large_writer" => large_writer(&client, &parameters, sign_payload, false, &key).await?,
+        "large_writer_held" => large_writer(&client, &parameters, sign_payload, true, &key).await?,
         "large_ceiling" => large_ceiling(&client, &parameters, sign_payload, &key).await?,
         _ => anyhow::bail!("unknown writer scenario {name}"),
     };
@@ -413,14 +430,24 @@ async fn large_writer(
     client: &Client,
     parameters: &ScenarioParameters,
     sign_payload: bool,
+    held: bool,
     key: &str,
 ) -> anyhow::Result<(f64, f64)> {
     const APPEND_SIZE: usize = 64 * 1024;
+    /// A header as a definition's would be: known only at the end.
+    const HEAD: &[u8] = b"<?xml version=\"1.0\"?>\n<report><header><NbOfTxs>1</NbOfTxs></header>\n";
     let block = large_document_block();
     let bucket = bucket_handle(client, parameters);
     let started = Instant::now();
-    let policy = parameters.policy(sign_payload);
+    let mut policy = parameters.policy(sign_payload);
+    if held {
+        // The same parts, and room for the head.
+        policy.max_object_size += HEAD.len() as u64;
+    }
     let mut writer = bucket.writer(key, &policy)?;
+    if held {
+        writer.hold_first_part();
+    }
     let mut written_so_far = 0;
     // The bytes are made on the fly from the block; the document is never
     // held whole.
@@ -433,11 +460,13 @@ async fn large_writer(
         written_so_far += length;
     }
     let peak_buffered_bytes = writer.peak_buffered_bytes();
-    let written = writer.finish().await?;
+    let head: &[u8] = if held { HEAD } else { b"" };
+    let written = writer.finish_with_head(head).await?;
     let seconds = started.elapsed().as_secs_f64();
-    anyhow::ensure!(written.bytes == parameters.large_bytes as u64);
+    anyhow::ensure!(written.bytes == (parameters.large_bytes + head.len()) as u64);
     eprintln!(
-        "    large_writer: the writer's own peak of buffered bytes {} MiB (bound {} MiB)",
+        "    large_writer{}: the writer's own peak of buffered bytes {} MiB (bound {} MiB)",
+        if held { "_held" } else { "" },
         peak_buffered_bytes / MIB as u64,
         policy.memory_bound() / MIB as u64
     );

@@ -221,7 +221,8 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
-            br#"{"v":5,"gzip":true}"#,
+            // Newer than Definition::NEWEST_VERSION (5, the header's).
+            br#"{"v":6,"gzip":true}"#,
             br#"{"fields":[{"name":"amount","type":"money"}]}"#,
             br#"{"fields":[{"name":"amount","type":"decimal"}],"totals":["missing"]}"#,
             br#"{"prefix":"q"}"#,
@@ -230,6 +231,10 @@ mod tests {
             br#"{"window":{"every":"1d","time_zone":"Europe/Pariss"}}"#,
             br#"{"window":{"every":"1d","zone":"UTC"}}"#,
             br#"{"key_template":"reports/{stream}.xml"}"#,
+            br#"{"header":{}}"#,
+            br#"{"header":{"fields":[{"name":"n","value":"sum"}]}}"#,
+            br#"{"header":{"fields":[{"name":"n","value":"records","constant":"x"}]}}"#,
+            br#"{"header":{"element":"xmlhead","totals":true},"fields":[{"name":"a","type":"integer"}],"totals":["a"]}"#,
         ] {
             let error = parse_definition(body).unwrap_err();
             assert!(
