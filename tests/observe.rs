@@ -13,11 +13,26 @@ use crate::stack::TestStack;
 
 impl TestStack {
     /// Everything the pipeline published and stored, read back independently.
+    ///
+    /// A consistent cut of a pipeline that keeps reporting (an idle
+    /// windowed stream gets an empty report every window): the events are
+    /// read before the bucket is listed and again after. Every event read
+    /// before is kept, so an event whose report was never stored is still
+    /// found; of those read after, the ones of the reports listed are kept,
+    /// so a report listed is announced as soon as its transaction commits
+    /// (milliseconds after its objects), not only if it committed before
+    /// the listing began, which under load can take longer than a window.
     pub async fn observe(&self) -> Observed {
         let kafka = &self.kafka;
-        let events: Vec<Value> = read_all(kafka, &self.topics.report_events, 3, true)
-            .into_iter()
-            .map(|message| serde_json::from_slice(&message.payload).expect("event JSON"))
+        let read_events = || -> Vec<Value> {
+            read_all(kafka, &self.topics.report_events, 3, true)
+                .into_iter()
+                .map(|message| serde_json::from_slice(&message.payload).expect("event JSON"))
+                .collect()
+        };
+        let before: BTreeSet<String> = read_events()
+            .iter()
+            .map(|event| event["report_id"].as_str().unwrap_or_default().to_owned())
             .collect();
         let dead_letters: Vec<Value> = read_all(kafka, &self.topics.dead_letters, 3, true)
             .into_iter()
@@ -39,6 +54,14 @@ impl TestStack {
                 Report { manifest, document },
             );
         }
+        // The log only grows: the events read now hold those read before.
+        let events = read_events()
+            .into_iter()
+            .filter(|event| {
+                let id = event["report_id"].as_str().unwrap_or_default();
+                before.contains(id) || reports.contains_key(id)
+            })
+            .collect();
         Observed {
             events,
             dead_letters,
