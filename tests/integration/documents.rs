@@ -14,6 +14,8 @@
 //! - arrays holding a record the definition refuses are answered 422
 //!   naming the record, the field and the expected type, and none of their
 //!   records appears anywhere;
+//! - the definition indents, and every element of the document sits on a
+//!   line of its own (validating all the same);
 //! - a replay through another group renders the same bytes.
 
 use std::collections::BTreeMap;
@@ -50,6 +52,8 @@ fn definition() -> Value {
         ],
         "undeclared": "refuse",
         "totals": ["amount"],
+        // Pretty printed: what people read and diff.
+        "indent": 2,
         "window": {"every": "3s", "time_zone": "Europe/Paris", "grace": "1s"},
         // ISO 20022's group header: known at the end, written first.
         "header": {
@@ -331,6 +335,14 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
             text.starts_with("<?xml") && text.contains("<lg:ledger "),
             "{id}: {text}"
         );
+        // Indented: the header's and the records' children one level in,
+        // each on a line of its own.
+        assert!(
+            text.contains("\n  <lg:header>\n    <MsgId>")
+                && text.contains("\n  <lg:summary ")
+                && text.ends_with("\n  </lg:summary>\n</lg:ledger>\n"),
+            "{id}: {text}"
+        );
         // The root points to its schema: `namespace key`.
         let location = root
             .attribute((quire_xml::XML_SCHEMA_INSTANCE_NAMESPACE, "schemaLocation"))
@@ -447,6 +459,7 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
         assert_eq!(cents_in(total.attribute("min").unwrap()), min, "{id}: min");
         assert_eq!(cents_in(total.attribute("max").unwrap()), max, "{id}: max");
         // A hostile string comes back as it went in.
+        assert!(text.contains("\n  <lg:entry>\n    <stream>"), "{id}: {text}");
         let record = &report.records()[0];
         assert!(
             record["memo"].contains("<&> \"quoted\" 'single' ]]> Zoë ✓"),

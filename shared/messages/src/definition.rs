@@ -72,7 +72,17 @@ pub struct Definition {
     /// (its totals among them) and constants (see [`crate::header`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<HeaderSpec>,
+    /// Pretty printing: each element on a line of its own, indented by
+    /// this many spaces (1 to [`MAX_INDENT`]) per level. Only whitespace
+    /// between elements is added, never inside a text, so the document
+    /// means the same and validates against the same schema; the same
+    /// records give the same bytes. Absent, a record is one line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indent: Option<u8>,
 }
+
+/// The widest indentation a definition may ask for, in spaces per level.
+pub const MAX_INDENT: u8 = 8;
 
 fn is_false(flag: &bool) -> bool {
     !*flag
@@ -109,6 +119,7 @@ impl Default for Definition {
             undeclared: Undeclared::Keep,
             totals: Vec::new(),
             header: None,
+            indent: None,
         }
     }
 }
@@ -159,6 +170,8 @@ pub enum DefinitionError {
     PrefixWithoutNamespace(String),
     #[error(transparent)]
     Header(#[from] HeaderError),
+    #[error("indent {0} is out of range: give 1 to {MAX_INDENT} spaces per level, or leave it out for one line per record")]
+    Indent(u8),
 }
 
 impl Definition {
@@ -178,14 +191,19 @@ impl Definition {
     /// document's first part for its header refuses such a definition
     /// rather than write reports without it.
     pub const HEADER_VERSION: u32 = 5;
+    /// The first version with `indent`: a release that cannot indent
+    /// refuses such a definition by name rather than write it on one line.
+    pub const INDENT_VERSION: u32 = 6;
     /// The newest definition version this release reads.
-    pub const NEWEST_VERSION: u32 = Definition::HEADER_VERSION;
+    pub const NEWEST_VERSION: u32 = Definition::INDENT_VERSION;
 
     /// The version to publish this definition with: the oldest that holds
     /// everything it asks for, so definitions without gzip, windows or key
     /// templates stay readable by every release.
     pub fn required_version(&self) -> u32 {
-        if self.header.is_some() {
+        if self.indent.is_some() {
+            Definition::INDENT_VERSION
+        } else if self.header.is_some() {
             Definition::HEADER_VERSION
         } else if self.is_typed()
             || !self.totals.is_empty()
@@ -209,6 +227,11 @@ impl Definition {
 
     /// Checks that the definition can only produce well-formed XML.
     pub fn validate(&self) -> Result<(), DefinitionError> {
+        if let Some(indent) = self.indent
+            && !(1..=MAX_INDENT).contains(&indent)
+        {
+            return Err(DefinitionError::Indent(indent));
+        }
         check_fields(&self.fields, self.undeclared, &self.totals)?;
         for field in &self.fields {
             let scalar = field.kind != FieldKind::Object && !field.repeated;
@@ -358,6 +381,31 @@ mod tests {
             error.to_string().contains(&format!("version {newer}")),
             "{error}"
         );
+    }
+
+    #[test]
+    fn indent_is_optional_bounded_and_raises_the_version_it_needs() {
+        let plain = serde_json::to_string(&Definition::default()).unwrap();
+        assert!(!plain.contains("indent"), "{plain}");
+        for indent in [1, 2, MAX_INDENT] {
+            let indented = Definition {
+                indent: Some(indent),
+                ..Definition::default()
+            };
+            indented.validate().unwrap();
+            assert_eq!(indented.required_version(), Definition::INDENT_VERSION);
+        }
+        for indent in [0, MAX_INDENT + 1, u8::MAX] {
+            let error = Definition {
+                indent: Some(indent),
+                ..Definition::default()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(error.to_string().contains(&format!("indent {indent}")), "{error}");
+        }
+        assert!(serde_json::from_str::<Definition>(r#"{"indent": 256}"#).is_err());
+        assert!(serde_json::from_str::<Definition>(r#"{"indent": -1}"#).is_err());
     }
 
     #[test]

@@ -38,7 +38,7 @@ pub mod window;
 use serde::{Deserialize, Serialize};
 
 pub use definition::{
-    Definition, DefinitionError, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
+    Definition, DefinitionError, MAX_INDENT, SUMMARY_ELEMENT, is_xml_name, is_xml_name_char,
     is_xml_name_start_char,
 };
 pub use log::{Handover, LogLayout, LogRegistry, LogTag, PartitionMove, PartitionMoved};

@@ -28,6 +28,11 @@
 //! should one still hold a character XML 1.0 forbids, it is written as
 //! U+FFFD so the document stays well-formed. Every line ends with `\n`; there is no other whitespace
 //! between elements, and none inside a record that was not in its strings.
+//! A definition's `indent` lays each record, header and summary out again
+//! with every element on a line of its own, indented by that many spaces
+//! per level (see the `indent` module): only whitespace between elements,
+//! added by one pass over what either rendering path wrote, so both stay
+//! byte for byte the same.
 //! An empty element is written `<name/>`. The summary element is in the
 //! document's default namespace, like the records.
 //!
@@ -108,6 +113,7 @@
 mod check;
 mod clean;
 mod duplicates;
+mod indent;
 mod keys;
 mod names;
 mod read;

@@ -122,6 +122,8 @@ pub struct DocumentRenderer {
     /// written: the API's very check, so a record that slipped past it (sent
     /// before the definition reached that API replica) is refused here too.
     check: Option<TypedCheck>,
+    /// Spaces per level when the definition asks for indentation.
+    indent: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -212,6 +214,9 @@ impl DocumentRenderer {
                 schema_file: schema_file_name(&schema_for(definition)),
             }),
             check: TypedCheck::new(definition),
+            indent: definition
+                .indent
+                .map(|width| usize::from(width.clamp(1, quire_messages::MAX_INDENT))),
         }
     }
 
@@ -257,6 +262,7 @@ impl DocumentRenderer {
         if let Some(check) = &self.check {
             check.check(record)?;
         }
+        let start = out.len();
         out.extend_from_slice(&self.record_start);
         if !self.named_top_level_fields.is_empty() {
             self.write_record_attributes(out, fields);
@@ -286,7 +292,16 @@ impl DocumentRenderer {
         } else {
             out.extend_from_slice(&self.record_end);
         }
+        self.lay_out(out, start);
         Ok(())
+    }
+
+    /// Indents the element written from `start`, one level in from the
+    /// root, when the definition asks for it.
+    fn lay_out(&self, out: &mut Vec<u8>, start: usize) {
+        if let Some(width) = self.indent {
+            crate::indent::indent_from(out, start, 1, width);
+        }
     }
 
     fn write_fields_in_record_order(&self, out: &mut Vec<u8>, fields: &Map<String, Value>) {
@@ -312,6 +327,7 @@ impl DocumentRenderer {
     /// [`renders_fields_verbatim`](Self::renders_fields_verbatim).
     pub fn record_of_fields(&self, out: &mut Vec<u8>, fields: &[u8]) {
         debug_assert!(self.renders_fields_verbatim());
+        let start = out.len();
         out.extend_from_slice(&self.record_start);
         if fields.is_empty() {
             out.extend_from_slice(b"/>\n");
@@ -320,6 +336,7 @@ impl DocumentRenderer {
             out.extend_from_slice(fields);
             out.extend_from_slice(&self.record_end);
         }
+        self.lay_out(out, start);
     }
 
     /// Writes the summary element and the root end tag: the document is
@@ -350,6 +367,7 @@ impl DocumentRenderer {
         window: Option<&SummaryWindow<'_>>,
         totals: &[FieldTotal],
     ) {
+        let start = out.len();
         out.push(b'<');
         out.extend_from_slice(self.summary_name.as_bytes());
         write_number_attribute(out, "records", summary.records);
@@ -370,6 +388,7 @@ impl DocumentRenderer {
             out.extend_from_slice(self.summary_name.as_bytes());
             out.extend_from_slice(b">\n");
         }
+        self.lay_out(out, start);
         out.extend_from_slice(&self.document_end);
     }
 
@@ -404,6 +423,7 @@ impl DocumentRenderer {
         let Some((name, spec)) = &self.header else {
             return;
         };
+        let start = out.len();
         out.push(b'<');
         out.extend_from_slice(name.as_bytes());
         out.push(b'>');
@@ -430,6 +450,7 @@ impl DocumentRenderer {
         out.extend_from_slice(b"</");
         out.extend_from_slice(name.as_bytes());
         out.extend_from_slice(b">\n");
+        self.lay_out(out, start);
     }
 
     /// The attribute fields' scalar values, in the record's field order.
@@ -844,6 +865,124 @@ mod tests {
         let mut none = Vec::new();
         DocumentRenderer::new(&Definition::default()).header(&mut none, &values(None));
         assert!(none.is_empty());
+    }
+
+    /// The elements of `document` as (depth, name, attributes, text), text
+    /// that is only whitespace between elements left out.
+    fn infoset(document: &str) -> Vec<(usize, String, Vec<(String, String)>, String)> {
+        let parsed = roxmltree::Document::parse(document).expect("well-formed XML");
+        parsed
+            .descendants()
+            .filter(|node| node.is_element())
+            .map(|node| {
+                let text: String = node
+                    .children()
+                    .filter(|child| child.is_text())
+                    .filter_map(|child| child.text())
+                    .filter(|text| !text.trim().is_empty() || node.children().count() == 1)
+                    .collect();
+                let attributes = node
+                    .attributes()
+                    .map(|attribute| (attribute.name().to_owned(), attribute.value().to_owned()))
+                    .collect();
+                (node.ancestors().count(), node.tag_name().name().to_owned(), attributes, text)
+            })
+            .collect()
+    }
+
+    /// One document, every piece of it, with and without `indent`.
+    fn both_ways(definition: &str, records: &[&str]) -> (String, String) {
+        let render = |indent: Option<u8>| {
+            let mut definition = self::definition(definition);
+            definition.indent = indent;
+            check_definition(&definition).unwrap();
+            let renderer = DocumentRenderer::new(&definition);
+            let summary = Summary {
+                records: records.len() as u64,
+                first_offset: 0,
+                last_offset: 9,
+                report_id: "s~0-0",
+            };
+            let totals = [FieldTotal {
+                field: "amount".into(),
+                count: 2,
+                sum: "3.50".into(),
+                min: Some("1.25".into()),
+                max: Some("2.25".into()),
+            }];
+            let totals: &[FieldTotal] = if definition.totals.is_empty() { &[] } else { &totals };
+            let mut out = Vec::new();
+            renderer.start(&mut out, "s", 0, 0);
+            renderer.header(
+                &mut out,
+                &HeaderValues {
+                    stream: "s",
+                    partition: 0,
+                    summary: &summary,
+                    window: None,
+                    first_log_time: Some("2026-12-07T08:30:00.125Z"),
+                    last_log_time: None,
+                    totals,
+                },
+            );
+            for record in records {
+                let value: Value = serde_json::from_str(record).unwrap();
+                renderer.record(&mut out, &value).unwrap();
+            }
+            renderer.finish_with_totals(&mut out, &summary, None, totals);
+            String::from_utf8(out).unwrap()
+        };
+        (render(None), render(Some(2)))
+    }
+
+    /// Indentation adds whitespace between elements and nothing else: the
+    /// same elements, attributes and texts (spaces in strings included),
+    /// each element on a line of its own, a text element on one line.
+    #[test]
+    fn an_indented_document_holds_what_the_compact_one_holds() {
+        let records = [
+            r#"{"id": 1, "amount": 1.25, "note": "  two  spaces  ", "tags": ["a", "b"],
+                "address": {"city": "Lyon", "zip": null}, "nested": [[1, []], {}], "extra": {"x": ""}}"#,
+            r#"{"id": 2, "amount": 2.25}"#,
+            r#"{"id": 3}"#,
+        ];
+        let untyped = r#"{"attributes": ["id"]}"#;
+        let typed = r#"{"root": "ledger", "record": "entry", "namespace": "urn:example:ledger",
+            "prefix": "lg", "attributes": ["id"], "totals": ["amount"],
+            "fields": [{"name": "id", "type": "integer", "required": true},
+                       {"name": "amount", "type": "decimal"},
+                       {"name": "address", "type": "object", "fields": [
+                           {"name": "zip", "type": "string"}, {"name": "city", "type": "string"}]}],
+            "header": {"fields": [{"name": "MsgId", "value": "report_id"},
+                                  {"name": "First", "value": "first_log_time"}], "totals": true}}"#;
+        for definition in [untyped, typed] {
+            let (compact, indented) = both_ways(definition, &records);
+            assert_eq!(infoset(&compact), infoset(&indented), "{indented}");
+            assert!(indented.contains("<note>  two  spaces  </note>"), "{indented}");
+            for line in indented.lines().skip(2) {
+                let depth = line.len() - line.trim_start().len();
+                assert!(depth % 2 == 0 && !line.trim().is_empty(), "{line:?} in {indented}");
+            }
+        }
+        let (_, indented) = both_ways(typed, &records[1..]);
+        assert_eq!(
+            indented.split_once('\n').unwrap().1.split_once('\n').unwrap().1,
+            concat!(
+                "  <lg:header>\n",
+                "    <MsgId>s~0-0</MsgId>\n",
+                "    <First>2026-12-07T08:30:00.125Z</First>\n",
+                "    <lg:total field=\"amount\" count=\"2\" sum=\"3.50\" min=\"1.25\" max=\"2.25\"/>\n",
+                "  </lg:header>\n",
+                "  <lg:entry id=\"2\">\n",
+                "    <amount>2.25</amount>\n",
+                "  </lg:entry>\n",
+                "  <lg:entry id=\"3\"/>\n",
+                "  <lg:summary records=\"2\" first-offset=\"0\" last-offset=\"9\" report-id=\"s~0-0\">\n",
+                "    <lg:total field=\"amount\" count=\"2\" sum=\"3.50\" min=\"1.25\" max=\"2.25\"/>\n",
+                "  </lg:summary>\n",
+                "</lg:ledger>\n",
+            )
+        );
     }
 
     /// Each definition the renderer would change without a word is

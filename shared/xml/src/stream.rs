@@ -526,7 +526,13 @@ mod tests {
 
     #[test]
     fn random_records_render_as_the_tree_walk_renders_them() {
-        let definition: Definition = serde_json::from_str("{}").unwrap();
+        for definition in [r#"{}"#, r#"{"indent": 2}"#] {
+            random_records_render_alike(definition);
+        }
+    }
+
+    fn random_records_render_alike(definition: &str) {
+        let definition: Definition = serde_json::from_str(definition).unwrap();
         let renderer = DocumentRenderer::new(&definition);
         let mut random = Random(0x9E37_79B9_7F4A_7C15);
         let (mut vouched, total) = (0, 5000);

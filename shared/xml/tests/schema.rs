@@ -151,11 +151,21 @@ fn typed_documents_validate_against_their_schema_in_every_namespace_style() {
             "attributes and renames",
             r#""attributes": ["id", "paid"], "renames": {"amount": "Amt", "lines": "Line"}"#,
         ),
+        (
+            "indented",
+            r#""namespace": "urn:example:orders", "prefix": "o", "attributes": ["id"], "indent": 2"#,
+        ),
     ] {
         let definition = definition(&format!(
             r#"{{{shape}, "fields": {FIELDS}, "totals": ["amount", "quantity"]}}"#
         ));
         let schema = schema_for(&definition);
+        // Indentation is layout, not content: one schema either way.
+        let unindented = Definition {
+            indent: None,
+            ..definition.clone()
+        };
+        assert_eq!(schema, schema_for(&unindented), "{style}");
         for window in [false, true] {
             let document = document(&definition, &RECORDS, window);
             validate(&schema, &document).unwrap_or_else(|complaint| {

@@ -11,7 +11,9 @@
 //! - the producer API's check under a typed definition (the clean pass,
 //!   then a `Value` and `quire_xml::TypedCheck::check`, as
 //!   `validation::check_types` does) against the same door without one:
-//!   the cost a typed definition adds per record.
+//!   the cost a typed definition adds per record;
+//! - the worker's rendering with `indent` against the same rendering
+//!   without: the cost of pretty printing per record.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -153,6 +155,8 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
     );
     let definition: quire_messages::Definition = serde_json::from_str("{}")?;
     let renderer = quire_xml::DocumentRenderer::new(&definition);
+    let indented: quire_messages::Definition = serde_json::from_str(r#"{"indent": 2}"#)?;
+    let indenting_renderer = quire_xml::DocumentRenderer::new(&indented);
     let mut last = Vec::new();
     for Shape {
         name: shape,
@@ -188,6 +192,7 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
         let mut clean_rounds = Vec::new();
         let mut untyped_door_rounds = Vec::new();
         let mut typed_door_rounds = Vec::new();
+        let mut indented_rounds = Vec::new();
         for _ in 0..args.runs {
             check_rounds.push(measure(&records, &mut full_checks));
             clean_rounds.push(measure(&records, &mut quire_xml::is_clean_record));
@@ -203,12 +208,21 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
             typed_door_rounds.push(measure(&records, &mut |text: &str| {
                 typed_checks(text, &typed_check)
             }));
+            indented_rounds.push(measure(&records, &mut |text: &str| {
+                fields.clear();
+                let rendered = quire_xml::render_fields(&mut fields, text.as_bytes());
+                out.clear();
+                indenting_renderer.record_of_fields(&mut out, &fields);
+                rendered
+            }));
         }
+        let fast_render_baseline = fast_render_rounds.clone();
         let key = shape.split(',').next().unwrap_or(shape).replace(' ', "");
         for (path, baseline, fast) in [
             ("api check", check_rounds, clean_rounds),
             ("worker render", tree_rounds, fast_render_rounds),
             ("api typed check", untyped_door_rounds, typed_door_rounds),
+            ("worker render indented", fast_render_baseline, indented_rounds),
         ] {
             let (baseline, fast) = (median(baseline), median(fast));
             println!(

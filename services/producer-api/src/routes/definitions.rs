@@ -221,8 +221,11 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
-            // Newer than Definition::NEWEST_VERSION (5, the header's).
-            br#"{"v":6,"gzip":true}"#,
+            // Newer than Definition::NEWEST_VERSION (6, the indent's).
+            br#"{"v":7,"gzip":true}"#,
+            br#"{"indent":0}"#,
+            br#"{"indent":9}"#,
+            br#"{"indent":"  "}"#,
             br#"{"fields":[{"name":"amount","type":"money"}]}"#,
             br#"{"fields":[{"name":"amount","type":"decimal"}],"totals":["missing"]}"#,
             br#"{"prefix":"q"}"#,
