@@ -281,6 +281,10 @@ pub enum Fault {
     InternalError,
     /// Resets the connection (TCP RST) after the request line and headers.
     ResetConnection,
+    /// Forwards the request with one bit of its body flipped (the middle
+    /// byte's lowest bit): bytes corrupted between the writer and the
+    /// server, which only a checksum of the body can tell.
+    FlipBit,
 }
 
 /// What the proxy does to every request (after the UploadPart rule, which
@@ -640,6 +644,28 @@ async fn forward_requests(
                 let _ = client_write.write_all(answer.as_bytes()).await;
                 let _ = client_write.shutdown().await;
                 return;
+            }
+            Some(Fault::FlipBit) => {
+                state.faults_injected.fetch_add(1, Ordering::SeqCst);
+                let mut body = Vec::with_capacity(body_length as usize);
+                if (&mut reader)
+                    .take(body_length)
+                    .read_to_end(&mut body)
+                    .await
+                    .is_err()
+                    || body.len() as u64 != body_length
+                {
+                    return;
+                }
+                let middle = body.len() / 2;
+                if let Some(middle) = body.get_mut(middle) {
+                    *middle ^= 1;
+                }
+                if upstream_write.write_all(&head.raw).await.is_err()
+                    || upstream_write.write_all(&body).await.is_err()
+                {
+                    return;
+                }
             }
             Some(Fault::ResetConnection) => {
                 state.faults_injected.fetch_add(1, Ordering::SeqCst);

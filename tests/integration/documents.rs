@@ -323,6 +323,14 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
     let mut windows = std::collections::BTreeSet::new();
     let mut rolled_over = 0;
     for (id, report) in &observed.reports {
+        // The event carries the S3 checksum its manifest has.
+        let event = observed
+            .events
+            .iter()
+            .find(|event| event["report_id"].as_str() == Some(id.as_str()))
+            .unwrap_or_else(|| panic!("{id}: an event"));
+        assert_eq!(event["checksum"]["algorithm"], "CRC32C", "{event}");
+        assert_eq!(event["checksum"], report.manifest["checksum"], "{id}");
         let text = std::str::from_utf8(&report.document).unwrap();
         let document = roxmltree::Document::parse(text).expect("well-formed");
         let root = document.root_element();

@@ -4,6 +4,7 @@
 mod api;
 mod backlog;
 mod batches;
+mod checksums;
 mod brownout;
 mod compose;
 mod dashboard;

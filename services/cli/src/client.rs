@@ -52,6 +52,9 @@ pub struct DownloadUrl {
     pub expires_at: String,
     pub bytes: u64,
     pub sha256: String,
+    /// The S3 checksum the object is stored with, when it has one.
+    #[serde(default)]
+    pub checksum: Option<quire_messages::ObjectChecksum>,
 }
 
 impl DownloadUrl {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
+use base64::Engine as _;
 use sha2::{Digest, Sha256};
 
 use crate::cli::{CutArgs, GetArgs, GlobalOptions, ListArgs, ReportArgs, WatchArgs};
@@ -122,6 +123,7 @@ pub async fn get(
     let Download {
         response,
         expected_sha256,
+        expected_crc32c,
         source,
         label,
     } = open_download(client, arguments).await?;
@@ -140,6 +142,7 @@ pub async fn get(
     let bar = download_bar(content_length, global.json || to_stdout);
     let started = Instant::now();
     let mut hasher = Sha256::new();
+    let mut crc32c = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
     let mut written = 0u64;
     let mut body = response.bytes_stream();
     while let Some(chunk) = body.next().await {
@@ -148,6 +151,7 @@ pub async fn get(
             source: error,
         })?;
         hasher.update(&chunk);
+        crc32c.update(&chunk);
         if let Err(source) = sink.write_all(&chunk) {
             // `quire get R -o - | head` closes the pipe early: not an error.
             if to_stdout && source.kind() == std::io::ErrorKind::BrokenPipe {
@@ -184,6 +188,17 @@ pub async fn get(
             arguments.report
         )));
     }
+    let actual_crc32c = u32::try_from(crc32c.finalize())
+        .map(|crc| base64::engine::general_purpose::STANDARD.encode(crc.to_be_bytes()))
+        .unwrap_or_default();
+    if let Some(expected) = &expected_crc32c
+        && *expected != actual_crc32c
+    {
+        return Err(CliError::Integrity(format!(
+            "CRC32C MISMATCH for report {}: S3 stores it with {expected}, the {written} bytes received give {actual_crc32c}{kept}",
+            arguments.report
+        )));
+    }
     let verified = match &expected_sha256 {
         Some(expected) if *expected != actual_sha256 => {
             return Err(CliError::Integrity(format!(
@@ -215,7 +230,9 @@ pub async fn get(
         "path": arguments.output,
         "bytes": written,
         "sha256": actual_sha256,
+        "crc32c": actual_crc32c,
         "verified": verified,
+        "crc32c_verified": expected_crc32c.is_some(),
         "seconds": seconds,
         "source": source,
     });
@@ -228,13 +245,18 @@ pub async fn get(
     }
     Output::new(global.json).result(&document, || {
         format!(
-            "wrote {} ({}) in {seconds:.1}s, sha256 {actual_sha256}{}",
+            "wrote {} ({}) in {seconds:.1}s, sha256 {actual_sha256}{}{}",
             arguments.output.display(),
             human_bytes(written),
             if verified {
                 " (verified)"
             } else {
                 " (not verified)"
+            },
+            if expected_crc32c.is_some() {
+                format!(", crc32c {actual_crc32c} (verified against S3's checksum)")
+            } else {
+                String::new()
             }
         )
     });
@@ -245,6 +267,8 @@ pub async fn get(
 struct Download {
     response: reqwest::Response,
     expected_sha256: Option<String>,
+    /// The full-object CRC32C S3 stores the object with (base64), if any.
+    expected_crc32c: Option<String>,
     /// `s3` (a presigned URL) or `api`.
     source: &'static str,
     /// Where the bytes come from, for messages (a presigned URL without its
@@ -265,6 +289,7 @@ async fn open_download(client: &ApiClient, arguments: &GetArgs) -> Result<Downlo
                 return Ok(Download {
                     response,
                     expected_sha256: Some(url.sha256.trim().to_ascii_lowercase()),
+                    expected_crc32c: url.checksum.as_ref().and_then(full_object_crc32c),
                     source: "s3",
                     label: url.redacted(),
                 });
@@ -282,12 +307,25 @@ async fn open_download(client: &ApiClient, arguments: &GetArgs) -> Result<Downlo
         .get("x-quire-sha256")
         .and_then(|value| value.to_str().ok())
         .map(|value| value.trim().to_ascii_lowercase());
+    let expected_crc32c = response
+        .headers()
+        .get("x-quire-checksum-crc32c")
+        .and_then(|value| value.to_str().ok())
+        .map(|value| value.trim().to_owned());
     Ok(Download {
         response,
         expected_sha256,
+        expected_crc32c,
         source: "api",
         label: client.url(&format!("/v1/reports/{}/content", arguments.report)),
     })
+}
+
+/// A full-object CRC32C, the one S3 checksum a reader computes from the
+/// bytes alone (a composite one needs the parts' boundaries).
+fn full_object_crc32c(checksum: &quire_messages::ObjectChecksum) -> Option<String> {
+    (checksum.algorithm == "CRC32C" && checksum.kind == "FULL_OBJECT")
+        .then(|| checksum.value.clone())
 }
 
 /// `report.xml` downloads to `report.xml.part` and is renamed once verified.

@@ -13,7 +13,9 @@ use flate2::Compression;
 use flate2::GzBuilder;
 use flate2::write::GzEncoder;
 use quire_messages::layout;
-use quire_messages::{CURRENT_VERSION, Definition, Manifest, ReportId, StreamName, Trigger};
+use quire_messages::{
+    CURRENT_VERSION, Definition, Manifest, ObjectChecksum, ReportId, StreamName, Trigger,
+};
 use std::sync::Arc;
 
 use quire_messages::window::Window;
@@ -447,6 +449,7 @@ impl OpenDocument {
             bytes,
             sha256_hex,
             e_tag,
+            checksum,
             ..
         } = self.writer.finish_with_head(&head).await?;
         let manifest = Manifest {
@@ -469,6 +472,11 @@ impl OpenDocument {
             window_end: self.window.as_ref().map(|window| window.end.clone()),
             window_sequence: self.window.as_ref().map(|window| window.sequence),
             log: Some(log.to_owned()),
+            checksum: checksum.map(|checksum| ObjectChecksum {
+                algorithm: checksum.algorithm.to_owned(),
+                kind: checksum.kind.to_owned(),
+                value: checksum.value,
+            }),
         };
         if let Some((key, schema)) = &self.schema {
             put_schema(bucket, key, schema).await?;

@@ -265,6 +265,26 @@ pub struct S3Settings {
     #[serde(rename = "retention_sweep_minutes")]
     #[serde_as(as = "DurationMinutes")]
     pub retention_sweep: Duration,
+    /// The additional checksum every part and object carries, which the
+    /// server verifies before it stores them.
+    pub checksum: ChecksumChoice,
+}
+
+/// The S3 additional checksum a report is stored with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChecksumChoice {
+    /// CRC32C of each part, and of the whole object (a full-object
+    /// checksum, combined from the parts'): cheap, and checkable by a
+    /// reader from the object alone.
+    #[default]
+    Crc32c,
+    /// SHA-256 of each part, and the object's composite checksum (the
+    /// SHA-256 of the parts' digests, `-N` for N parts), for systems that
+    /// accept only SHA-2.
+    Sha256,
+    /// No additional checksum: for a server that refuses them.
+    None,
 }
 
 impl fmt::Debug for KafkaSettings {

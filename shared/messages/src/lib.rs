@@ -44,7 +44,7 @@ pub use definition::{
 pub use log::{Handover, LogLayout, LogRegistry, LogTag, PartitionMove, PartitionMoved};
 pub use names::{ReportId, StreamName, StreamNameError};
 pub use report::{
-    DeadLetter, Manifest, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
+    DeadLetter, Manifest, ObjectChecksum, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
     WindowAfterChange, WindowProgress,
 };
 

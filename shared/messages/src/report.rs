@@ -65,6 +65,9 @@ pub struct ReportEvent {
     /// rollovers split the window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_sequence: Option<u32>,
+    /// The object's S3 additional checksum, as in its manifest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<ObjectChecksum>,
 }
 
 impl ReportEvent {
@@ -87,6 +90,7 @@ impl ReportEvent {
             window_start: manifest.window_start.clone(),
             window_end: manifest.window_end.clone(),
             window_sequence: manifest.window_sequence,
+            checksum: manifest.checksum.clone(),
         }
     }
 }
@@ -292,6 +296,26 @@ pub struct Manifest {
     /// (absent in manifests written before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
+    /// The S3 additional checksum the server verified and stores with the
+    /// object (absent under `s3.checksum = "none"`, and in manifests
+    /// written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<ObjectChecksum>,
+}
+
+/// An object's S3 additional checksum, as S3 writes it: a reader can ask
+/// the server for it (GetObject with `x-amz-checksum-mode: ENABLED`) and
+/// compute it from the bytes (a full-object one) to check what it read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectChecksum {
+    /// `CRC32C` or `SHA256`.
+    pub algorithm: String,
+    /// `FULL_OBJECT`: the checksum of the object's bytes; `COMPOSITE`: the
+    /// checksum of its parts' checksums, with `-N` for N parts.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Base64 of the checksum's big-endian bytes.
+    pub value: String,
 }
 
 #[cfg(test)]

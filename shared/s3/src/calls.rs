@@ -14,11 +14,14 @@ use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_s3::error::{BoxError, DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
-use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use aws_sdk_s3::types::{
+    ChecksumAlgorithm, ChecksumType, CompletedMultipartUpload, CompletedPart,
+};
 use backon::Retryable;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
+use crate::checksum::{FULL_OBJECT, PartChecksum, StoredChecksum, answers_match};
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
 use crate::policy::{RetryPolicy, UploadPolicy};
@@ -38,6 +41,8 @@ pub(crate) struct UploadTarget {
     pub counters: Arc<WriterCounters>,
     /// Whether SigV4 signs the bodies of parts and single puts.
     sign_payload: bool,
+    /// The additional checksum of parts and objects.
+    pub checksum: quire_config::ChecksumChoice,
     /// Set when the upload is being aborted: no new attempt starts.
     /// Cancelled when the upload is being aborted: no new attempt starts.
     pub abandoned: CancellationToken,
@@ -69,6 +74,7 @@ impl UploadTarget {
             retry: policy.retry.clone(),
             counters,
             sign_payload: policy.sign_payload,
+            checksum: policy.checksum,
             abandoned: CancellationToken::new(),
             timeouts,
         }
@@ -104,6 +110,8 @@ impl UploadTarget {
                 .bucket(&self.bucket)
                 .key(&self.key)
                 .set_content_type(self.content_type.clone())
+                .set_checksum_algorithm(self.checksum_algorithm())
+                .set_checksum_type(self.checksum_type())
                 .customize()
                 .config_override(self.call_settings())
                 .send()
@@ -123,6 +131,25 @@ impl UploadTarget {
         Ok(upload_id)
     }
 
+    /// The upload's checksum algorithm, declared when it is created.
+    fn checksum_algorithm(&self) -> Option<ChecksumAlgorithm> {
+        match self.checksum {
+            quire_config::ChecksumChoice::Crc32c => Some(ChecksumAlgorithm::Crc32C),
+            quire_config::ChecksumChoice::Sha256 => Some(ChecksumAlgorithm::Sha256),
+            quire_config::ChecksumChoice::None => None,
+        }
+    }
+
+    /// CRC32C parts combine into a full-object checksum; SHA-256 ones only
+    /// into a composite one.
+    fn checksum_type(&self) -> Option<ChecksumType> {
+        match self.checksum {
+            quire_config::ChecksumChoice::Crc32c => Some(ChecksumType::FullObject),
+            quire_config::ChecksumChoice::Sha256 => Some(ChecksumType::Composite),
+            quire_config::ChecksumChoice::None => None,
+        }
+    }
+
     /// Whether SigV4 signs the bodies, so a payload hash is worth handing it.
     pub fn signs_payload(&self) -> bool {
         self.sign_payload
@@ -131,13 +158,17 @@ impl UploadTarget {
     /// Uploads one part; every retry re-sends the same `part` (a cheap clone
     /// of a shared buffer, not a copy). `payload_sha256`, the part's SHA-256
     /// in lowercase hex if the caller has it, spares SigV4 hashing it again.
+    /// `checksum`, the part's additional checksum, goes with it: the server
+    /// refuses the part if its bytes do not match (and it is sent again).
     pub async fn upload_part(
         &self,
         upload_id: &str,
         part_number: i32,
         part: &Bytes,
         payload_sha256: Option<String>,
+        checksum: Option<PartChecksum>,
     ) -> Result<CompletedPart, WriterError> {
+        let (crc32c, sha256) = checksum_values(checksum);
         let call = CallLabel::new("UploadPart", &self.key)
             .part(part_number, part.len())
             .stopped_by(&self.abandoned);
@@ -150,6 +181,8 @@ impl UploadTarget {
                 .upload_id(upload_id)
                 .part_number(part_number)
                 .content_length(part.len() as i64)
+                .set_checksum_crc32_c(crc32c.clone())
+                .set_checksum_sha256(sha256.clone())
                 .body(ByteStream::from(part.clone()))
                 .customize()
                 .config_override(self.call_settings());
@@ -167,6 +200,8 @@ impl UploadTarget {
         Ok(CompletedPart::builder()
             .part_number(part_number)
             .set_e_tag(output.e_tag)
+            .set_checksum_crc32_c(crc32c)
+            .set_checksum_sha256(sha256)
             .build())
     }
 
@@ -176,7 +211,9 @@ impl UploadTarget {
         &self,
         document: &Bytes,
         payload_sha256: Option<String>,
+        checksum: Option<PartChecksum>,
     ) -> Result<Option<String>, WriterError> {
+        let (crc32c, sha256) = checksum_values(checksum);
         let call = CallLabel::new("PutObject", &self.key)
             .part(1, document.len())
             .stopped_by(&self.abandoned);
@@ -188,6 +225,8 @@ impl UploadTarget {
                 .key(&self.key)
                 .set_content_type(self.content_type.clone())
                 .content_length(document.len() as i64)
+                .set_checksum_crc32_c(crc32c.clone())
+                .set_checksum_sha256(sha256.clone())
                 .body(ByteStream::from(document.clone()))
                 .customize()
                 .config_override(self.call_settings());
@@ -281,29 +320,66 @@ impl UploadTarget {
         }
     }
 
-    /// Completes the upload from its parts, in part-number order.
+    /// Completes the upload from its parts, in part-number order. A
+    /// full-object checksum goes with the request, for the server to
+    /// verify against what it stored; the checksum the server answers with
+    /// must be `checksum`, or the completion fails (and the caller aborts
+    /// the upload: a document whose bytes S3 holds otherwise is never
+    /// announced).
     pub async fn complete_multipart_upload(
         &self,
         upload_id: &str,
         parts: Vec<CompletedPart>,
+        checksum: Option<&StoredChecksum>,
     ) -> Result<Option<String>, WriterError> {
         let call = CallLabel::new("CompleteMultipartUpload", &self.key);
         let completed = CompletedMultipartUpload::builder()
             .set_parts(Some(parts))
             .build();
+        let full_object = checksum.filter(|checksum| checksum.kind == FULL_OBJECT);
         let output = with_retries(&self.retry, &self.counters, &call, |_attempt| {
-            self.client
+            let request = self
+                .client
                 .complete_multipart_upload()
                 .bucket(&self.bucket)
                 .key(&self.key)
                 .upload_id(upload_id)
-                .multipart_upload(completed.clone())
+                .multipart_upload(completed.clone());
+            let request = match full_object {
+                Some(checksum) if checksum.algorithm == "CRC32C" => request
+                    .checksum_crc32_c(checksum.value.clone())
+                    .checksum_type(ChecksumType::FullObject),
+                _ => request,
+            };
+            request
                 .customize()
                 .config_override(self.call_settings())
                 .send()
         })
         .await
         .map_err(|failure| self.failure(call.operation, failure))?;
+        if let Some(expected) = checksum {
+            let answered = match expected.algorithm {
+                "CRC32C" => output.checksum_crc32_c(),
+                _ => output.checksum_sha256(),
+            };
+            if let Some(answered) = answered
+                && !answers_match(expected, answered)
+            {
+                return Err(WriterError::S3 {
+                    operation: call.operation,
+                    bucket: self.bucket.clone(),
+                    key: self.key.clone(),
+                    attempts: 1,
+                    status: None,
+                    retryable: false,
+                    detail: format!(
+                        "the server stored the object with {} {answered}, not the {} computed while it streamed",
+                        expected.algorithm, expected.value
+                    ),
+                });
+            }
+        }
         Ok(output.e_tag)
     }
 
@@ -330,6 +406,15 @@ impl UploadTarget {
             tracing::info!(bucket = %self.bucket, key = %self.key, upload_id, reason, "multipart upload was already gone");
         }
         Ok(())
+    }
+}
+
+/// A part's checksum as the request's CRC32C and SHA-256 header values.
+fn checksum_values(checksum: Option<PartChecksum>) -> (Option<String>, Option<String>) {
+    match checksum {
+        Some(checksum @ PartChecksum::Crc32c { .. }) => (Some(checksum.base64()), None),
+        Some(checksum @ PartChecksum::Sha256(_)) => (None, Some(checksum.base64())),
+        None => (None, None),
     }
 }
 
@@ -549,7 +634,12 @@ fn status_of<E>(error: &SdkError<E, HttpResponse>) -> Option<u16> {
 }
 
 /// Error codes S3 services use for "try again later", whatever the status.
+/// `BadDigest` and the checksum mismatches are among them: the bytes
+/// changed on the way, and the writer sends them again from its buffer.
 const RETRYABLE_ERROR_CODES: &[&str] = &[
+    "BadDigest",
+    "XAmzContentChecksumMismatch",
+    "XAmzContentSHA256Mismatch",
     "InternalError",
     "RequestTimeout",
     "ServiceUnavailable",

@@ -23,6 +23,7 @@
 
 mod bucket;
 mod calls;
+mod checksum;
 mod client;
 mod counters;
 mod error;
@@ -33,6 +34,7 @@ mod sweep;
 mod writer;
 
 pub use bucket::S3Bucket;
+pub use checksum::StoredChecksum;
 pub use client::build_client;
 pub use counters::{CountersSnapshot, WriterCounters};
 pub use error::WriterError;

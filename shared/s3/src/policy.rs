@@ -62,6 +62,9 @@ pub struct UploadPolicy {
     /// Whether SigV4 signs the bytes of each part (`x-amz-content-sha256`
     /// is their SHA-256) or sends them as `UNSIGNED-PAYLOAD`.
     pub sign_payload: bool,
+    /// The additional checksum of every part and of the object, verified
+    /// by the server (see [`crate::StoredChecksum`]).
+    pub checksum: quire_config::ChecksumChoice,
 }
 
 impl UploadPolicy {
@@ -74,6 +77,7 @@ impl UploadPolicy {
             // Generous: an 8 MiB part at 1 MiB/s still makes it.
             attempt_timeout: Duration::from_secs(120),
             sign_payload: true,
+            checksum: quire_config::ChecksumChoice::default(),
         }
     }
 

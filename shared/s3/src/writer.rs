@@ -61,6 +61,9 @@ pub struct WrittenObject {
     pub single_put: bool,
     /// The ETag the server gave the object.
     pub e_tag: Option<String>,
+    /// The additional checksum the server verified and stores with the
+    /// object; `None` under `s3.checksum = "none"`.
+    pub checksum: Option<crate::StoredChecksum>,
 }
 
 /// Writes one document to one key. Build it with [`crate::S3Bucket::writer`].
@@ -334,8 +337,8 @@ impl MultipartWriter {
                 body = buffer::PartBody::Memory(whole.freeze());
             }
             let hashing = self.document_hash.link();
-            let e_tag = self.upload.put_object(body, hashing).await?;
-            return self.written(1, true, e_tag, head.len()).await;
+            let (e_tag, checksum) = self.upload.put_object(body, hashing).await?;
+            return self.written(1, true, e_tag, checksum, head.len()).await;
         }
         if self.part.unsent() > 0 {
             poll_fn(|context| self.poll_send_part(context)).await?;
@@ -349,8 +352,8 @@ impl MultipartWriter {
             self.upload.upload_first_part(first).await?;
             drop(held);
         }
-        let (parts, e_tag) = self.upload.complete().await?;
-        self.written(parts, false, e_tag, head.len()).await
+        let (parts, e_tag, checksum) = self.upload.complete().await?;
+        self.written(parts, false, e_tag, checksum, head.len()).await
     }
 
     fn spill_failure<T>(&self, loaded: Result<T, String>) -> Result<T, WriterError> {
@@ -370,6 +373,7 @@ impl MultipartWriter {
         parts: u32,
         single_put: bool,
         e_tag: Option<String>,
+        checksum: Option<crate::StoredChecksum>,
         head_bytes: usize,
     ) -> Result<WrittenObject, WriterError> {
         let bytes = self.bytes_accepted + head_bytes as u64;
@@ -407,6 +411,7 @@ impl MultipartWriter {
             sha256_hex,
             single_put,
             e_tag,
+            checksum,
         })
     }
 }

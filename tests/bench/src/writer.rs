@@ -19,6 +19,11 @@
 //! `UNSIGNED-PAYLOAD` on every side, for the comparison without that
 //! SHA-256 pass (what the writer does with `sign_payload: false`, e.g. over
 //! HTTPS).
+//!
+//! The writer stores every part with an S3 additional checksum (CRC32C by
+//! default); `large_writer_sha256` and `large_writer_no_checksum` are the
+//! same document with SHA-256 part checksums and with none, and the
+//! checksum lines give each against the one without.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,6 +33,7 @@ use bytes::Bytes;
 use quire_s3::aws_sdk_s3::Client;
 use quire_s3::aws_sdk_s3::primitives::ByteStream;
 use quire_s3::aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use quire_config::ChecksumChoice;
 use quire_s3::{S3Bucket, UploadPolicy};
 use quire_tests::s3::{TestBucket, s3_settings};
 use tokio::io::AsyncWriteExt;
@@ -103,6 +109,14 @@ const SCENARIOS: &[(&str, &str)] = &[
     (
         "large_writer_held",
         "as large_writer, first part held for a header",
+    ),
+    (
+        "large_writer_sha256",
+        "as large_writer, SHA-256 part checksums (composite)",
+    ),
+    (
+        "large_writer_no_checksum",
+        "as large_writer, no S3 checksum",
     ),
     ("tiny_appends_unsigned", "as tiny_appends, unsigned payload"),
     ("object_store_unsigned", "as object_store, unsigned payload"),
@@ -209,6 +223,19 @@ pub async fn run(args: WriterArgs) -> anyhow::Result<()> {
         plain.peak_rss_bytes as f64 / MIB as f64,
         (held.peak_rss_bytes as f64 - plain.peak_rss_bytes as f64) / MIB as f64,
     );
+    // The S3 checksums' cost: the same document without one is the baseline.
+    let none = find("large_writer_no_checksum");
+    for (label, summary) in [("crc32c (default)", plain), ("sha256", find("large_writer_sha256"))] {
+        println!(
+            "checksum {label}: time vs no checksum={:.2} (median) {:.2} (best); {:.0} vs {:.0} MiB/s; peak RSS {:.0} vs {:.0} MiB",
+            summary.median_seconds / none.median_seconds,
+            summary.best_seconds / none.best_seconds,
+            summary.median_bytes_per_second / MIB as f64,
+            none.median_bytes_per_second / MIB as f64,
+            summary.peak_rss_bytes as f64 / MIB as f64,
+            none.peak_rss_bytes as f64 / MIB as f64,
+        );
+    }
     drop(bucket);
     // The headline: medians, defaults (payloads signed on every side).
     println!(
@@ -272,8 +299,22 @@ pub async fn scenario(name: &str, args: &[String]) -> anyhow::Result<(f64, f64)>
         "one_append" => one_append(&client, &parameters, sign_payload, &key).await?,
         "object_store" => object_store_writer(&parameters, sign_payload, &key).await?,
         "one_put" if sign_payload => one_put(&client, &parameters, &key).await?,
-        "large_writer" => large_writer(&client, &parameters, sign_payload, false, &key).await?,
-        "large_writer_held" => large_writer(&client, &parameters, sign_payload, true, &key).await?,
+        "large_writer" => {
+            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::Crc32c, &key)
+                .await?
+        }
+        "large_writer_held" => {
+            large_writer(&client, &parameters, sign_payload, true, ChecksumChoice::Crc32c, &key)
+                .await?
+        }
+        "large_writer_sha256" => {
+            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::Sha256, &key)
+                .await?
+        }
+        "large_writer_no_checksum" => {
+            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::None, &key)
+                .await?
+        }
         "large_ceiling" => large_ceiling(&client, &parameters, sign_payload, &key).await?,
         _ => anyhow::bail!("unknown writer scenario {name}"),
     };
@@ -431,6 +472,7 @@ async fn large_writer(
     parameters: &ScenarioParameters,
     sign_payload: bool,
     held: bool,
+    checksum: ChecksumChoice,
     key: &str,
 ) -> anyhow::Result<(f64, f64)> {
     const APPEND_SIZE: usize = 64 * 1024;
@@ -440,6 +482,7 @@ async fn large_writer(
     let bucket = bucket_handle(client, parameters);
     let started = Instant::now();
     let mut policy = parameters.policy(sign_payload);
+    policy.checksum = checksum;
     if held {
         // The same parts, and room for the head.
         policy.max_object_size += HEAD.len() as u64;

@@ -30,6 +30,14 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
     let stored = stack.bucket.read(&key).await.expect("the stored report");
     let digest = sha256_hex(&stored);
     assert_eq!(status["manifest"]["sha256"], digest.as_str());
+    // The S3 checksum the server verified, computed here from the bytes.
+    let crc32c = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD
+            .encode(crc_fast::crc32_iscsi(&stored).to_be_bytes())
+    };
+    let checksum = serde_json::json!({"algorithm": "CRC32C", "type": "FULL_OBJECT", "value": crc32c});
+    assert_eq!(status["manifest"]["checksum"], checksum, "{status}");
 
     let (code, body) = api.get(&format!("/v1/reports/{id}/url")).await;
     assert_eq!(code, 200, "{body}");
@@ -40,6 +48,7 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
     assert_eq!(body["report_id"], id.as_str());
     assert_eq!(body["sha256"], digest.as_str());
     assert_eq!(body["bytes"], stored.len() as u64);
+    assert_eq!(body["checksum"], checksum);
     assert_eq!(body["expires_in_s"], 5);
     assert!(
         body["expires_at"]
@@ -81,6 +90,7 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
         .unwrap();
     assert_eq!(response.status().as_u16(), 307);
     assert_eq!(header(&response, "x-quire-sha256"), Some(digest.clone()));
+    assert_eq!(header(&response, "x-quire-checksum-crc32c"), Some(crc32c.clone()));
     assert_eq!(
         header(&response, "cache-control").as_deref(),
         Some("no-store")
@@ -114,6 +124,8 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
         assert_eq!(summary["source"], source, "{summary}");
         assert_eq!(summary["verified"], true, "{summary}");
         assert_eq!(summary["sha256"], digest.as_str());
+        assert_eq!(summary["crc32c_verified"], true, "{summary}");
+        assert_eq!(summary["crc32c"], crc32c.as_str());
         assert_eq!(std::fs::read(&output).unwrap(), stored);
     }
 

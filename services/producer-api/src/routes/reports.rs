@@ -299,6 +299,10 @@ pub struct DownloadView {
     /// download against them.
     pub bytes: u64,
     pub sha256: String,
+    /// The S3 additional checksum the object is stored with: a GET of the
+    /// URL with `x-amz-checksum-mode: ENABLED` answers it too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<quire_messages::ObjectChecksum>,
 }
 
 /// `GET /v1/reports/{id}/url`: a presigned S3 GET URL of the document, so a
@@ -321,6 +325,7 @@ pub async fn get_report_url(
         url: url.url,
         bytes: manifest.bytes,
         sha256: manifest.sha256,
+        checksum: manifest.checksum,
     };
     let mut response = Json(view).into_response();
     // The URL is a credential for as long as it lives: no cache keeps it.
@@ -356,6 +361,7 @@ pub async fn get_report_content(
         if let Ok(digest) = HeaderValue::try_from(manifest.sha256.as_str()) {
             headers.insert("x-quire-sha256", digest);
         }
+        insert_checksum_header(headers, &manifest);
         return Ok(response);
     }
     // Streamed only while it is the object the manifest describes (its
@@ -417,7 +423,24 @@ pub async fn get_report_content(
     if let Ok(digest) = HeaderValue::try_from(manifest.sha256.as_str()) {
         headers.insert("x-quire-sha256", digest);
     }
+    insert_checksum_header(headers, &manifest);
     Ok(response)
+}
+
+/// `x-quire-checksum-crc32c` or `x-quire-checksum-sha256`: the S3 checksum
+/// the object is stored with (base64, `-N` for a composite one).
+fn insert_checksum_header(headers: &mut axum::http::HeaderMap, manifest: &Manifest) {
+    let Some(checksum) = &manifest.checksum else {
+        return;
+    };
+    let name = match checksum.algorithm.as_str() {
+        "CRC32C" => "x-quire-checksum-crc32c",
+        "SHA256" => "x-quire-checksum-sha256",
+        _ => return,
+    };
+    if let Ok(value) = HeaderValue::try_from(checksum.value.as_str()) {
+        headers.insert(name, value);
+    }
 }
 
 /// Query of `GET /v1/streams/{stream}/reports`.

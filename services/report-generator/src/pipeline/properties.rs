@@ -173,6 +173,7 @@ impl DocumentStore for ModelStore {
             window_end: window.as_ref().map(|window| window.end.clone()),
             window_sequence: window.as_ref().map(|window| window.sequence),
             log: Some(log.to_owned()),
+            checksum: None,
         })
     }
 

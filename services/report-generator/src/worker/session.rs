@@ -150,6 +150,7 @@ impl Worker {
         let record_limit = declared_maximum.saturating_sub(CLOSING_ROOM);
         let mut policy = UploadPolicy::for_max_object_size(declared_maximum);
         policy.max_in_flight = worker.parts_in_flight.get();
+        policy.checksum = settings.s3.checksum;
         let memory = crate::document::memory_pool(worker, &policy, monitor.metrics.s3_counters())?;
         tracing::info!(
             replica = %worker.replica_id,

@@ -20,7 +20,9 @@ use tokio::task::{JoinError, JoinHandle, JoinSet};
 
 use super::buffer::{InFlightMemory, PartBody};
 use super::digest::HashLink;
+use crate::StoredChecksum;
 use crate::calls::UploadTarget;
+use crate::checksum::{PartChecksum, object_checksum};
 use crate::counters::WriterCounters;
 use crate::error::WriterError;
 
@@ -54,10 +56,13 @@ enum State {
     Closed,
 }
 
+/// A stored part and the checksum it was stored with.
+type UploadedPart = (CompletedPart, Option<PartChecksum>);
+
 struct OpenUpload {
     upload_id: Arc<str>,
-    in_flight: JoinSet<Result<CompletedPart, WriterError>>,
-    completed_parts: Vec<CompletedPart>,
+    in_flight: JoinSet<Result<UploadedPart, WriterError>>,
+    completed_parts: Vec<UploadedPart>,
 }
 
 /// What S3 may hold of an upload: what an abort has to undo.
@@ -201,20 +206,31 @@ impl Upload {
             // so the accounting covers every reference to its buffer.
             let in_flight = in_flight;
             let part = load(body, &target).await?;
+            let checksum = PartChecksum::compute(target.checksum, &part).await;
             let uploaded = match hashing {
                 Some(hashing) => {
                     hashing
                         .hash_while(part.clone(), target.signs_payload(), |payload_sha256| {
-                            target.upload_part(&upload_id, part_number, &part, payload_sha256)
+                            target.upload_part(
+                                &upload_id,
+                                part_number,
+                                &part,
+                                payload_sha256,
+                                checksum,
+                            )
                         })
                         .await
                 }
-                None => target.upload_part(&upload_id, part_number, &part, None).await,
+                None => {
+                    target
+                        .upload_part(&upload_id, part_number, &part, None, checksum)
+                        .await
+                }
             };
             if uploaded.is_ok() {
                 in_flight.memory.give_back(part);
             }
-            uploaded
+            uploaded.map(|completed| (completed, checksum))
         });
     }
 
@@ -231,36 +247,43 @@ impl Upload {
         let State::Open(upload) = &mut self.state else {
             panic!("the first part goes into an open upload");
         };
+        let checksum = PartChecksum::compute(self.target.checksum, &part).await;
         let completed = self
             .target
-            .upload_part(&upload.upload_id, 1, &part, None)
+            .upload_part(&upload.upload_id, 1, &part, None, checksum)
             .await?;
-        upload.completed_parts.push(completed);
+        upload.completed_parts.push((completed, checksum));
         Ok(())
     }
 
     /// Stores a whole document of at most one part with one PutObject (no
-    /// multipart upload), hashing it on the way. Returns its ETag.
+    /// multipart upload), hashing it on the way. Returns its ETag and its
+    /// checksum.
     pub(super) async fn put_object(
         &self,
         body: PartBody,
         hashing: HashLink,
-    ) -> Result<Option<String>, WriterError> {
+    ) -> Result<(Option<String>, Option<StoredChecksum>), WriterError> {
         debug_assert!(!self.is_multipart());
         let document = load(body, &self.target).await?;
-        hashing
+        let checksum = PartChecksum::compute(self.target.checksum, &document).await;
+        let e_tag = hashing
             .hash_while(
                 document.clone(),
                 self.target.signs_payload(),
-                |payload_sha256| self.target.put_object(&document, payload_sha256),
+                |payload_sha256| self.target.put_object(&document, payload_sha256, checksum),
             )
-            .await
+            .await?;
+        let stored = checksum.and_then(|checksum| object_checksum(&[checksum], true));
+        Ok((e_tag, stored))
     }
 
     /// Waits for every part sent and completes the multipart upload. Returns
-    /// the number of parts and the object's ETag. On failure the upload is
-    /// still open, for the caller to abort.
-    pub(super) async fn complete(&mut self) -> Result<(u32, Option<String>), WriterError> {
+    /// the number of parts, the object's ETag and its checksum. On failure
+    /// the upload is still open, for the caller to abort.
+    pub(super) async fn complete(
+        &mut self,
+    ) -> Result<(u32, Option<String>, Option<StoredChecksum>), WriterError> {
         let State::Open(upload) = &mut self.state else {
             panic!("a multipart upload is open");
         };
@@ -268,13 +291,17 @@ impl Upload {
             record_ended_part(upload, ended, &self.target)?;
         }
         let mut parts = std::mem::take(&mut upload.completed_parts);
-        parts.sort_by_key(|part| part.part_number());
+        parts.sort_by_key(|(part, _)| part.part_number());
         debug_assert_eq!(parts.len(), self.parts_sent as usize);
+        let checksums: Option<Vec<PartChecksum>> =
+            parts.iter().map(|(_, checksum)| *checksum).collect();
+        let checksum = checksums.and_then(|checksums| object_checksum(&checksums, false));
+        let parts = parts.into_iter().map(|(part, _)| part).collect();
         let e_tag = self
             .target
-            .complete_multipart_upload(&upload.upload_id, parts)
+            .complete_multipart_upload(&upload.upload_id, parts, checksum.as_ref())
             .await?;
-        Ok((self.parts_sent, e_tag))
+        Ok((self.parts_sent, e_tag, checksum))
     }
 
     /// The document is stored: nothing is left to abort.
@@ -386,7 +413,7 @@ impl Drop for InFlightPart {
 
 fn record_ended_part(
     upload: &mut OpenUpload,
-    ended: Result<Result<CompletedPart, WriterError>, JoinError>,
+    ended: Result<Result<UploadedPart, WriterError>, JoinError>,
     target: &UploadTarget,
 ) -> Result<(), WriterError> {
     match ended {
