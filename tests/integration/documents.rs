@@ -331,6 +331,39 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
             .unwrap_or_else(|| panic!("{id}: an event"));
         assert_eq!(event["checksum"]["algorithm"], "CRC32C", "{event}");
         assert_eq!(event["checksum"], report.manifest["checksum"], "{id}");
+        // Its object is tagged with what selects it, before its event.
+        let key = report.manifest["key"].as_str().unwrap();
+        let tagging = stack
+            .bucket
+            .client
+            .get_object_tagging()
+            .bucket(&stack.bucket.name)
+            .key(key)
+            .send()
+            .await
+            .expect("GetObjectTagging");
+        let tags: BTreeMap<&str, &str> = tagging
+            .tag_set()
+            .iter()
+            .map(|tag| (tag.key(), tag.value()))
+            .collect();
+        let text_of = |field: &str| match &report.manifest[field] {
+            Value::String(text) => text.clone(),
+            other => other.to_string(),
+        };
+        assert_eq!(
+            tags,
+            BTreeMap::from([
+                ("quire-stream", stream.as_str()),
+                ("quire-report-id", id.replace('~', "/").as_str()),
+                ("quire-partition", text_of("partition").as_str()),
+                ("quire-records", text_of("records").as_str()),
+                ("quire-first-offset", text_of("first_offset").as_str()),
+                ("quire-last-offset", text_of("last_offset").as_str()),
+                ("quire-window-start", text_of("window_start").as_str()),
+            ]),
+            "{id}"
+        );
         let text = std::str::from_utf8(&report.document).unwrap();
         let document = roxmltree::Document::parse(text).expect("well-formed");
         let root = document.root_element();

@@ -372,6 +372,7 @@ impl OpenDocument {
         cut_time_ms: Option<i64>,
         trigger: Trigger,
         log: &str,
+        tag_report: bool,
     ) -> Result<Manifest, WorkerError> {
         self.scratch.clear();
         let report_id_text = report_id.to_string();
@@ -478,6 +479,11 @@ impl OpenDocument {
                 value: checksum.value,
             }),
         };
+        if tag_report {
+            // Before the manifest, so before the transaction that announces
+            // the report; a replay sets the same tags.
+            bucket.tag_object(&manifest.key, &report_tags(&manifest)).await?;
+        }
         if let Some((key, schema)) = &self.schema {
             put_schema(bucket, key, schema).await?;
         }
@@ -582,6 +588,8 @@ impl Document for OpenDocument {
 pub struct S3Documents {
     pub bucket: S3Bucket,
     pub policy: UploadPolicy,
+    /// Whether each report is tagged (`s3.tag_reports`).
+    pub tag_reports: bool,
 }
 
 impl DocumentStore for S3Documents {
@@ -609,9 +617,10 @@ impl DocumentStore for S3Documents {
         trigger: Trigger,
         log: &str,
     ) -> Result<Manifest, WorkerError> {
-        document
-            .complete(&self.bucket, report_id, cut_time_ms, trigger, log)
-            .await
+        let manifest = document
+            .complete(&self.bucket, report_id, cut_time_ms, trigger, log, self.tag_reports)
+            .await?;
+        Ok(manifest)
     }
 
     async fn abort(&self, document: OpenDocument) {
@@ -735,6 +744,27 @@ async fn put_schema(bucket: &S3Bucket, key: &str, schema: &str) -> Result<(), Wo
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .insert(place);
     Ok(())
+}
+
+/// The tags of a report's object, for lifecycle rules and people to select
+/// reports by: `quire-stream`, `quire-report-id` (its `~` written `/`,
+/// which S3 tags allow), `quire-partition`, `quire-records`,
+/// `quire-first-offset`, `quire-last-offset`, and `quire-window-start` for
+/// a windowed stream. Stream names and window starts hold only characters
+/// S3 tags allow.
+pub fn report_tags(manifest: &Manifest) -> Vec<(&'static str, String)> {
+    let mut tags = vec![
+        ("quire-stream", manifest.stream.to_string()),
+        ("quire-report-id", manifest.report_id.to_string().replace('~', "/")),
+        ("quire-partition", manifest.partition.to_string()),
+        ("quire-records", manifest.records.to_string()),
+        ("quire-first-offset", manifest.first_offset.to_string()),
+        ("quire-last-offset", manifest.last_offset.to_string()),
+    ];
+    if let Some(start) = &manifest.window_start {
+        tags.push(("quire-window-start", start.clone()));
+    }
+    tags
 }
 
 async fn put_manifest(

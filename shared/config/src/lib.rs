@@ -268,6 +268,9 @@ pub struct S3Settings {
     /// The additional checksum every part and object carries, which the
     /// server verifies before it stores them.
     pub checksum: ChecksumChoice,
+    /// Whether each report's object is tagged (stream, report id, record
+    /// count, offsets, window start) before the report is announced.
+    pub tag_reports: bool,
 }
 
 /// The S3 additional checksum a report is stored with.

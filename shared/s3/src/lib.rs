@@ -31,6 +31,7 @@ mod memory;
 mod policy;
 mod retention;
 mod sweep;
+mod tags;
 mod writer;
 
 pub use bucket::S3Bucket;
@@ -48,6 +49,7 @@ pub use retention::{
     start_retention,
 };
 pub use sweep::PendingUpload;
+pub use tags::{MAX_TAGS, is_tag_text};
 pub use writer::{MultipartWriter, WrittenObject};
 
 /// The SDK this crate is built on, for callers that need its types.

@@ -177,6 +177,7 @@ impl Worker {
                 store: S3Documents {
                     bucket: bucket.with_memory(memory),
                     policy,
+                    tag_reports: settings.s3.tag_reports,
                 },
                 limits: CutLimits {
                     rollover_records: worker.rollover_records.get(),
