@@ -30,7 +30,9 @@ fn policy(checksum: ChecksumChoice) -> UploadPolicy {
 
 /// `length` bytes that differ from part to part.
 fn content(length: usize) -> Vec<u8> {
-    (0..length).map(|index| (index * 31 % 251) as u8 ^ (index / PART_SIZE) as u8).collect()
+    (0..length)
+        .map(|index| (index * 31 % 251) as u8 ^ (index / PART_SIZE) as u8)
+        .collect()
 }
 
 /// The checksum the server answers for `key` (HeadObject with checksum
@@ -62,7 +64,11 @@ fn expected(choice: ChecksumChoice, stored: &[u8], parts: &[&[u8]], single_put: 
             for part in parts {
                 digests.extend_from_slice(&Sha256::digest(part));
             }
-            format!("{}-{}", BASE64.encode(Sha256::digest(&digests)), parts.len())
+            format!(
+                "{}-{}",
+                BASE64.encode(Sha256::digest(&digests)),
+                parts.len()
+            )
         }
         ChecksumChoice::None => unreachable!("no checksum expected"),
     }
@@ -73,7 +79,11 @@ async fn every_report_is_stored_with_a_checksum_the_server_verified_and_answers(
     let bucket = TestBucket::create("checksums").await;
     let handle = bucket.handle();
     let head = b"<?xml version=\"1.0\"?>\n<head>known at the end</head>\n".to_vec();
-    for choice in [ChecksumChoice::Crc32c, ChecksumChoice::Sha256, ChecksumChoice::None] {
+    for choice in [
+        ChecksumChoice::Crc32c,
+        ChecksumChoice::Sha256,
+        ChecksumChoice::None,
+    ] {
         for (shape, length, held) in [
             ("single", 1000, false),
             ("parts", 2 * PART_SIZE + 3, false),
@@ -103,7 +113,11 @@ async fn every_report_is_stored_with_a_checksum_the_server_verified_and_answers(
                 continue;
             };
             assert_ne!(choice, ChecksumChoice::None, "{key}: no checksum asked");
-            let first_part = if held { head.len() + PART_SIZE } else { PART_SIZE };
+            let first_part = if held {
+                head.len() + PART_SIZE
+            } else {
+                PART_SIZE
+            };
             let parts: Vec<&[u8]> = if written.single_put {
                 vec![&stored[..]]
             } else {
@@ -112,7 +126,10 @@ async fn every_report_is_stored_with_a_checksum_the_server_verified_and_answers(
                 parts
             };
             let want = expected(choice, &stored, &parts, written.single_put);
-            assert_eq!(checksum.value, want, "{key}: the checksum of the stored bytes");
+            assert_eq!(
+                checksum.value, want,
+                "{key}: the checksum of the stored bytes"
+            );
             assert_eq!(
                 checksum.kind,
                 if choice == ChecksumChoice::Sha256 && !written.single_put {
@@ -124,7 +141,12 @@ async fn every_report_is_stored_with_a_checksum_the_server_verified_and_answers(
             );
             let answer = answered(&bucket, &key, checksum.algorithm)
                 .await
-                .unwrap_or_else(|| panic!("{key}: the server stores no {} checksum", checksum.algorithm));
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{key}: the server stores no {} checksum",
+                        checksum.algorithm
+                    )
+                });
             let value_only = want.split('-').next().unwrap_or_default();
             assert!(
                 answer == want || answer == value_only,
@@ -153,18 +175,31 @@ async fn write_through_a_bit_flip(checksum: ChecksumChoice) -> (Vec<u8>, Vec<u8>
     writer.finish().await.expect("finish");
     assert_eq!(proxy.faults_injected(), 1, "one bit flipped");
     let stored = bucket.read(key).await.expect("stored");
-    (body, stored, proxy.upload_parts_seen(), handle.counters().snapshot().retries)
+    (
+        body,
+        stored,
+        proxy.upload_parts_seen(),
+        handle.counters().snapshot().retries,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_corrupted_on_the_way_is_refused_by_the_server_and_sent_again() {
-    let (body, stored, parts_seen, retries) = write_through_a_bit_flip(ChecksumChoice::Crc32c).await;
+    let (body, stored, parts_seen, retries) =
+        write_through_a_bit_flip(ChecksumChoice::Crc32c).await;
     assert!(stored == body, "the stored object is the document written");
-    assert_eq!((parts_seen, retries), (4, 1), "3 parts, the flipped one sent twice");
+    assert_eq!(
+        (parts_seen, retries),
+        (4, 1),
+        "3 parts, the flipped one sent twice"
+    );
 
     // Without a checksum the same flip is stored as it arrived: what the
     // checksum guards against.
     let (body, stored, parts_seen, retries) = write_through_a_bit_flip(ChecksumChoice::None).await;
-    assert!(stored != body, "without a checksum the corrupted part is stored");
+    assert!(
+        stored != body,
+        "without a checksum the corrupted part is stored"
+    );
     assert_eq!((parts_seen, retries), (3, 0));
 }

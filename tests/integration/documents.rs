@@ -479,7 +479,10 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
             "{id}: log times exactly when there are records"
         );
         if let (Some(first), Some(last)) = (&first, &last) {
-            assert!(first <= last && first.ends_with('Z'), "{id}: {first} .. {last}");
+            assert!(
+                first <= last && first.ends_with('Z'),
+                "{id}: {first} .. {last}"
+            );
         }
         assert_eq!(
             total.attribute("count"),
@@ -494,13 +497,20 @@ async fn typed_reports_validate_against_their_schema_and_total_their_records_exa
         let written = total.attribute("sum").expect("a sum");
         assert_eq!(cents_in(written), expected, "{id}: sum {written}");
         let control_sum = child("CtrlSum").expect("a control sum");
-        assert_eq!(cents_in(&control_sum), expected, "{id}: header sum {control_sum}");
+        assert_eq!(
+            cents_in(&control_sum),
+            expected,
+            "{id}: header sum {control_sum}"
+        );
         let min = seqs.iter().map(|&seq| cents_of(seq)).min().unwrap();
         let max = seqs.iter().map(|&seq| cents_of(seq)).max().unwrap();
         assert_eq!(cents_in(total.attribute("min").unwrap()), min, "{id}: min");
         assert_eq!(cents_in(total.attribute("max").unwrap()), max, "{id}: max");
         // A hostile string comes back as it went in.
-        assert!(text.contains("\n  <lg:entry>\n    <stream>"), "{id}: {text}");
+        assert!(
+            text.contains("\n  <lg:entry>\n    <stream>"),
+            "{id}: {text}"
+        );
         let record = &report.records()[0];
         assert!(
             record["memo"].contains("<&> \"quoted\" 'single' ]]> Zoë ✓"),

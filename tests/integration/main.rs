@@ -4,8 +4,8 @@
 mod api;
 mod backlog;
 mod batches;
-mod checksums;
 mod brownout;
+mod checksums;
 mod compose;
 mod dashboard;
 mod dead_letters;

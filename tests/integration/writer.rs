@@ -577,7 +577,10 @@ async fn round_trip_with_head(
         bucket.read(key).await.expect("stored") == whole,
         "{key}: the head, then every byte appended"
     );
-    assert!(bucket.pending_uploads("").await.is_empty(), "{key}: no upload left");
+    assert!(
+        bucket.pending_uploads("").await.is_empty(),
+        "{key}: no upload left"
+    );
     written
 }
 
@@ -587,7 +590,8 @@ async fn a_held_first_part_goes_up_last_behind_a_head_known_at_the_end() {
     let handle = bucket.handle();
     let head = b"<header records=\"123456\" sum=\"98765.43\"/>\n";
     // Within one part: one PutObject of head and body.
-    let small = round_trip_with_head(&handle, &bucket, "r/held-small.xml", head, &document(5000)).await;
+    let small =
+        round_trip_with_head(&handle, &bucket, "r/held-small.xml", head, &document(5000)).await;
     assert!(small.single_put);
     // Past one part: part 1 is the head and the held part, uploaded last.
     let parts = round_trip_with_head(
@@ -601,7 +605,14 @@ async fn a_held_first_part_goes_up_last_behind_a_head_known_at_the_end() {
     assert!(!parts.single_put);
     assert_eq!(parts.parts, 3);
     // Exactly one part and a byte: the held part, and a last part of one byte.
-    let edge = round_trip_with_head(&handle, &bucket, "r/held-edge.xml", head, &document(PART_SIZE + 1)).await;
+    let edge = round_trip_with_head(
+        &handle,
+        &bucket,
+        "r/held-edge.xml",
+        head,
+        &document(PART_SIZE + 1),
+    )
+    .await;
     assert_eq!(edge.parts, 2);
     // A head may be empty, and so may the document.
     round_trip_with_head(&handle, &bucket, "r/held-empty.xml", b"", b"").await;
@@ -618,14 +629,19 @@ async fn a_held_first_part_spills_when_the_pool_is_full_and_is_freed_after() {
     let mut hog = handle.writer("r/hog.xml", &small_policy()).unwrap();
     hog.append(&document(PART_SIZE - 5)).await.unwrap();
     let content = document(2 * PART_SIZE + 99);
-    let mut writer = handle.writer("r/held-spilled.xml", &small_policy()).unwrap();
+    let mut writer = handle
+        .writer("r/held-spilled.xml", &small_policy())
+        .unwrap();
     writer.hold_first_part();
     let mut spilled = 0;
     for slice in content.chunks(4093) {
         writer.append(slice).await.unwrap();
         spilled = spilled.max(writer.spilled_bytes());
     }
-    assert!(spilled >= PART_SIZE as u64, "the held part waits on disk: {spilled}");
+    assert!(
+        spilled >= PART_SIZE as u64,
+        "the held part waits on disk: {spilled}"
+    );
     assert_eq!(
         pool.snapshot().over_budget_bytes,
         0,

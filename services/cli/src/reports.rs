@@ -5,10 +5,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use base64::Engine as _;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
-use base64::Engine as _;
 use sha2::{Digest, Sha256};
 
 use crate::cli::{CutArgs, GetArgs, GlobalOptions, ListArgs, ReportArgs, WatchArgs};

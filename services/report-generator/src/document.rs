@@ -482,7 +482,9 @@ impl OpenDocument {
         if tag_report {
             // Before the manifest, so before the transaction that announces
             // the report; a replay sets the same tags.
-            bucket.tag_object(&manifest.key, &report_tags(&manifest)).await?;
+            bucket
+                .tag_object(&manifest.key, &report_tags(&manifest))
+                .await?;
         }
         if let Some((key, schema)) = &self.schema {
             put_schema(bucket, key, schema).await?;
@@ -618,7 +620,14 @@ impl DocumentStore for S3Documents {
         log: &str,
     ) -> Result<Manifest, WorkerError> {
         let manifest = document
-            .complete(&self.bucket, report_id, cut_time_ms, trigger, log, self.tag_reports)
+            .complete(
+                &self.bucket,
+                report_id,
+                cut_time_ms,
+                trigger,
+                log,
+                self.tag_reports,
+            )
             .await?;
         Ok(manifest)
     }
@@ -755,7 +764,10 @@ async fn put_schema(bucket: &S3Bucket, key: &str, schema: &str) -> Result<(), Wo
 pub fn report_tags(manifest: &Manifest) -> Vec<(&'static str, String)> {
     let mut tags = vec![
         ("quire-stream", manifest.stream.to_string()),
-        ("quire-report-id", manifest.report_id.to_string().replace('~', "/")),
+        (
+            "quire-report-id",
+            manifest.report_id.to_string().replace('~', "/"),
+        ),
         ("quire-partition", manifest.partition.to_string()),
         ("quire-records", manifest.records.to_string()),
         ("quire-first-offset", manifest.first_offset.to_string()),

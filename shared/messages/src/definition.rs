@@ -170,7 +170,9 @@ pub enum DefinitionError {
     PrefixWithoutNamespace(String),
     #[error(transparent)]
     Header(#[from] HeaderError),
-    #[error("indent {0} is out of range: give 1 to {MAX_INDENT} spaces per level, or leave it out for one line per record")]
+    #[error(
+        "indent {0} is out of range: give 1 to {MAX_INDENT} spaces per level, or leave it out for one line per record"
+    )]
     Indent(u8),
 }
 
@@ -402,7 +404,10 @@ mod tests {
             }
             .validate()
             .unwrap_err();
-            assert!(error.to_string().contains(&format!("indent {indent}")), "{error}");
+            assert!(
+                error.to_string().contains(&format!("indent {indent}")),
+                "{error}"
+            );
         }
         assert!(serde_json::from_str::<Definition>(r#"{"indent": 256}"#).is_err());
         assert!(serde_json::from_str::<Definition>(r#"{"indent": -1}"#).is_err());

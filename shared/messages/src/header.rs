@@ -217,7 +217,11 @@ impl HeaderSpec {
         let mut names = BTreeSet::new();
         for field in &self.fields {
             let name = &field.name;
-            if !is_xml_name(name) || name.get(..3).is_some_and(|start| start.eq_ignore_ascii_case("xml")) {
+            if !is_xml_name(name)
+                || name
+                    .get(..3)
+                    .is_some_and(|start| start.eq_ignore_ascii_case("xml"))
+            {
                 return Err(HeaderError::InvalidName {
                     field: "field",
                     name: name.clone(),
@@ -309,7 +313,8 @@ mod tests {
         assert!(refused(r#"{}"#, false).contains("declares nothing"));
         assert!(refused(r#"{"element": "1x", "totals": true}"#, false).contains("\"1x\""));
         assert!(refused(r#"{"element": "record", "totals": true}"#, false).contains("confused"));
-        let twice = r#"{"fields": [{"name": "a", "value": "records"}, {"name": "a", "value": "stream"}]}"#;
+        let twice =
+            r#"{"fields": [{"name": "a", "value": "records"}, {"name": "a", "value": "stream"}]}"#;
         assert!(refused(twice, false).contains("named twice"));
         let both = r#"{"fields": [{"name": "a", "value": "records", "constant": "x"}]}"#;
         assert!(refused(both, false).contains("exactly one"));
@@ -327,7 +332,8 @@ mod tests {
             "x".repeat(MAX_HEADER_CONSTANT_BYTES + 1)
         );
         assert!(refused(&long, false).contains("at most 1024"));
-        let unknown = serde_json::from_str::<HeaderSpec>(r#"{"fields": [{"name": "a", "valu": "records"}]}"#);
+        let unknown =
+            serde_json::from_str::<HeaderSpec>(r#"{"fields": [{"name": "a", "valu": "records"}]}"#);
         assert!(unknown.is_err());
         let no_totals = header(r#"{"totals": true}"#).validate(&[], false, &[]);
         assert_eq!(no_totals, Err(HeaderError::NoTotals));

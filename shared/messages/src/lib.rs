@@ -44,8 +44,8 @@ pub use definition::{
 pub use log::{Handover, LogLayout, LogRegistry, LogTag, PartitionMove, PartitionMoved};
 pub use names::{ReportId, StreamName, StreamNameError};
 pub use report::{
-    DeadLetter, Manifest, ObjectChecksum, ReportEvent, ReportEventKind, StartedWindow, Trigger, Watermark,
-    WindowAfterChange, WindowProgress,
+    DeadLetter, Manifest, ObjectChecksum, ReportEvent, ReportEventKind, StartedWindow, Trigger,
+    Watermark, WindowAfterChange, WindowProgress,
 };
 
 /// The version this release writes.

@@ -70,6 +70,24 @@ impl S3Bucket {
         &self.counters
     }
 
+    /// A call on `key` of this bucket that failed, as the error callers see.
+    pub(crate) fn failed(
+        &self,
+        operation: &'static str,
+        key: &str,
+        failure: crate::calls::CallFailure,
+    ) -> WriterError {
+        WriterError::S3 {
+            operation,
+            bucket: self.name().to_owned(),
+            key: key.to_owned(),
+            attempts: failure.attempts,
+            status: failure.status,
+            retryable: failure.retryable,
+            detail: failure.detail,
+        }
+    }
+
     /// A writer for one document at `key`, under `policy`, stored with the
     /// server's default content type. Nothing is sent to S3 until the first
     /// part is full (or `finish()`).

@@ -14,9 +14,7 @@ use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_s3::error::{BoxError, DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
-use aws_sdk_s3::types::{
-    ChecksumAlgorithm, ChecksumType, CompletedMultipartUpload, CompletedPart,
-};
+use aws_sdk_s3::types::{ChecksumAlgorithm, ChecksumType, CompletedMultipartUpload, CompletedPart};
 use backon::Retryable;
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
@@ -101,6 +99,20 @@ impl UploadTarget {
         }
     }
 
+    /// A call that succeeded with an answer the writer cannot accept: not
+    /// worth repeating as it is (the caller aborts and starts again).
+    pub(crate) fn wrong_answer(&self, operation: &'static str, detail: String) -> WriterError {
+        WriterError::S3 {
+            operation,
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            attempts: 1,
+            status: None,
+            retryable: false,
+            detail,
+        }
+    }
+
     /// Starts a multipart upload and returns its id.
     pub async fn create_multipart_upload(self: Arc<Self>) -> Result<String, WriterError> {
         let call = CallLabel::new("CreateMultipartUpload", &self.key).stopped_by(&self.abandoned);
@@ -118,14 +130,8 @@ impl UploadTarget {
         })
         .await
         .map_err(|failure| self.failure(call.operation, failure))?;
-        let upload_id = output.upload_id.ok_or_else(|| WriterError::S3 {
-            operation: call.operation,
-            bucket: self.bucket.clone(),
-            key: self.key.clone(),
-            attempts: 1,
-            status: None,
-            retryable: false,
-            detail: "the answer carries no upload id".to_owned(),
+        let upload_id = output.upload_id.ok_or_else(|| {
+            self.wrong_answer(call.operation, "the answer carries no upload id".to_owned())
         })?;
         tracing::debug!(bucket = %self.bucket, key = %self.key, upload_id = %upload_id, "multipart upload created");
         Ok(upload_id)
@@ -366,18 +372,13 @@ impl UploadTarget {
             if let Some(answered) = answered
                 && !answers_match(expected, answered)
             {
-                return Err(WriterError::S3 {
-                    operation: call.operation,
-                    bucket: self.bucket.clone(),
-                    key: self.key.clone(),
-                    attempts: 1,
-                    status: None,
-                    retryable: false,
-                    detail: format!(
+                return Err(self.wrong_answer(
+                    call.operation,
+                    format!(
                         "the server stored the object with {} {answered}, not the {} computed while it streamed",
                         expected.algorithm, expected.value
                     ),
-                });
+                ));
             }
         }
         Ok(output.e_tag)

@@ -20,7 +20,10 @@ use sha2::{Digest as _, Sha256};
 pub(crate) enum PartChecksum {
     /// CRC-32C (Castagnoli, `CRC-32/ISCSI`), and the part's length, which
     /// combining it into the object's CRC needs.
-    Crc32c { crc: u32, length: u64 },
+    Crc32c {
+        crc: u32,
+        length: u64,
+    },
     Sha256([u8; 32]),
 }
 
@@ -85,7 +88,11 @@ pub(crate) fn object_checksum(parts: &[PartChecksum], single_put: bool) -> Optio
         PartChecksum::Crc32c { .. } => {
             let mut crc = 0u64;
             for (index, part) in parts.iter().enumerate() {
-                let PartChecksum::Crc32c { crc: part_crc, length } = *part else {
+                let PartChecksum::Crc32c {
+                    crc: part_crc,
+                    length,
+                } = *part
+                else {
                     return None;
                 };
                 crc = if index == 0 {
@@ -144,7 +151,9 @@ mod tests {
     #[test]
     fn the_object_crc_combines_the_parts_crcs() {
         assert_eq!(crc_fast::crc32_iscsi(b"123456789"), 0xE306_9283);
-        let whole: Vec<u8> = (0..100_000u32).map(|index| (index * 7 % 251) as u8).collect();
+        let whole: Vec<u8> = (0..100_000u32)
+            .map(|index| (index * 7 % 251) as u8)
+            .collect();
         for cuts in [vec![], vec![1], vec![8191, 8192], vec![3, 50_000, 99_999]] {
             let mut parts = Vec::new();
             let mut start = 0;
@@ -154,7 +163,11 @@ mod tests {
             }
             let object = object_checksum(&parts, false).unwrap();
             let expected = BASE64.encode(crc_fast::crc32_iscsi(&whole).to_be_bytes());
-            assert_eq!((object.kind, object.value.as_str()), (FULL_OBJECT, expected.as_str()), "{cuts:?}");
+            assert_eq!(
+                (object.kind, object.value.as_str()),
+                (FULL_OBJECT, expected.as_str()),
+                "{cuts:?}"
+            );
         }
     }
 
@@ -173,7 +186,10 @@ mod tests {
         let expected = format!("{}-2", BASE64.encode(Sha256::digest(&concatenated)));
         assert_eq!((object.kind, object.value.clone()), (COMPOSITE, expected));
         assert!(answers_match(&object, &object.value));
-        assert!(answers_match(&object, object.value.rsplit_once('-').unwrap().0));
+        assert!(answers_match(
+            &object,
+            object.value.rsplit_once('-').unwrap().0
+        ));
         assert!(!answers_match(&object, "AAAA-2"));
         let single = object_checksum(&digests[..1], true).unwrap();
         assert_eq!(single.value, BASE64.encode(Sha256::digest(b"first part")));

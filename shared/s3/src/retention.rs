@@ -344,23 +344,6 @@ impl S3Bucket {
         }
     }
 
-    fn failed(
-        &self,
-        operation: &'static str,
-        key: &str,
-        failure: crate::calls::CallFailure,
-    ) -> WriterError {
-        WriterError::S3 {
-            operation,
-            bucket: self.name().to_owned(),
-            key: key.to_owned(),
-            attempts: failure.attempts,
-            status: failure.status,
-            retryable: failure.retryable,
-            detail: failure.detail,
-        }
-    }
-
     fn sdk_failed<E>(
         &self,
         operation: &'static str,

@@ -18,7 +18,11 @@ const MAX_TAG_VALUE: usize = 256;
 /// digits, spaces and `+ - = . _ : / @`.
 pub fn is_tag_text(text: &str) -> bool {
     text.chars().all(|character| {
-        character.is_alphanumeric() || matches!(character, ' ' | '+' | '-' | '=' | '.' | '_' | ':' | '/' | '@')
+        character.is_alphanumeric()
+            || matches!(
+                character,
+                ' ' | '+' | '-' | '=' | '.' | '_' | ':' | '/' | '@'
+            )
     })
 }
 
@@ -65,26 +69,23 @@ impl S3Bucket {
                 reason: error.to_string(),
             })?;
         let call = CallLabel::new("PutObjectTagging", key);
-        with_retries(&RetryPolicy::default(), self.counters(), &call, |_attempt| {
-            self.client()
-                .put_object_tagging()
-                .bucket(self.name())
-                .key(key)
-                .tagging(tagging.clone())
-                .customize()
-                .config_override(call_settings_without_retries())
-                .send()
-        })
+        with_retries(
+            &RetryPolicy::default(),
+            self.counters(),
+            &call,
+            |_attempt| {
+                self.client()
+                    .put_object_tagging()
+                    .bucket(self.name())
+                    .key(key)
+                    .tagging(tagging.clone())
+                    .customize()
+                    .config_override(call_settings_without_retries())
+                    .send()
+            },
+        )
         .await
-        .map_err(|failure| WriterError::S3 {
-            operation: call.operation,
-            bucket: self.name().to_owned(),
-            key: key.to_owned(),
-            attempts: failure.attempts,
-            status: failure.status,
-            retryable: failure.retryable,
-            detail: failure.detail,
-        })?;
+        .map_err(|failure| self.failed(call.operation, key, failure))?;
         Ok(())
     }
 }

@@ -353,7 +353,8 @@ impl MultipartWriter {
             drop(held);
         }
         let (parts, e_tag, checksum) = self.upload.complete().await?;
-        self.written(parts, false, e_tag, checksum, head.len()).await
+        self.written(parts, false, e_tag, checksum, head.len())
+            .await
     }
 
     fn spill_failure<T>(&self, loaded: Result<T, String>) -> Result<T, WriterError> {
@@ -382,15 +383,10 @@ impl MultipartWriter {
             // Part 1 went up last: the object is hashed as stored.
             let (sha256_hex, stored) = target.read_back_sha256().await?;
             if stored != bytes {
-                return Err(WriterError::S3 {
-                    operation: "GetObject",
-                    bucket: target.bucket.clone(),
-                    key: target.key.clone(),
-                    attempts: 1,
-                    status: None,
-                    retryable: false,
-                    detail: format!("the stored object has {stored} bytes, not the {bytes} written"),
-                });
+                return Err(target.wrong_answer(
+                    "GetObject",
+                    format!("the stored object has {stored} bytes, not the {bytes} written"),
+                ));
             }
             sha256_hex
         } else {

@@ -34,7 +34,10 @@ pub(crate) fn indent_from(out: &mut Vec<u8>, start: usize, level: usize, width: 
     let mut rest = compact.as_slice();
     while let Some(&first) = rest.first() {
         if first != b'<' {
-            let text_end = rest.iter().position(|&byte| byte == b'<').unwrap_or(rest.len());
+            let text_end = rest
+                .iter()
+                .position(|&byte| byte == b'<')
+                .unwrap_or(rest.len());
             out.extend_from_slice(&rest[..text_end]);
             rest = &rest[text_end..];
             last = Last::Text;
@@ -89,7 +92,9 @@ mod tests {
         out.extend_from_slice(compact.as_bytes());
         indent_from(&mut out, 4, level, width);
         let out = String::from_utf8(out).unwrap();
-        out.strip_prefix("kept").expect("what came before is kept").to_owned()
+        out.strip_prefix("kept")
+            .expect("what came before is kept")
+            .to_owned()
     }
 
     #[test]

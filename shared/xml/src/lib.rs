@@ -129,8 +129,8 @@ pub use duplicates::first_duplicate_key;
 pub use names::{decode_name, encode_name};
 pub use read::{MAX_DEFINITION_BYTES, ReadDefinitionError, read_definition};
 pub use render::{
-    DocumentRenderer, FieldTotal, HeaderValues, NESTED_ARRAY_ITEM_ELEMENT, Summary,
-    SummaryWindow, XML_SCHEMA_INSTANCE_NAMESPACE, check_definition, log_time_text, schema_key,
+    DocumentRenderer, FieldTotal, HeaderValues, NESTED_ARRAY_ITEM_ELEMENT, Summary, SummaryWindow,
+    XML_SCHEMA_INSTANCE_NAMESPACE, check_definition, log_time_text, schema_key,
 };
 pub use stream::render_fields;
 pub use totals::Totals;

@@ -222,7 +222,11 @@ pub fn run(args: RecordsArgs) -> anyhow::Result<()> {
             ("api check", check_rounds, clean_rounds),
             ("worker render", tree_rounds, fast_render_rounds),
             ("api typed check", untyped_door_rounds, typed_door_rounds),
-            ("worker render indented", fast_render_baseline, indented_rounds),
+            (
+                "worker render indented",
+                fast_render_baseline,
+                indented_rounds,
+            ),
         ] {
             let (baseline, fast) = (median(baseline), median(fast));
             println!(

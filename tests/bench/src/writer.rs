@@ -30,10 +30,10 @@ use std::time::Instant;
 
 use anyhow::Context;
 use bytes::Bytes;
+use quire_config::ChecksumChoice;
 use quire_s3::aws_sdk_s3::Client;
 use quire_s3::aws_sdk_s3::primitives::ByteStream;
 use quire_s3::aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
-use quire_config::ChecksumChoice;
 use quire_s3::{S3Bucket, UploadPolicy};
 use quire_tests::s3::{TestBucket, s3_settings};
 use tokio::io::AsyncWriteExt;
@@ -225,7 +225,10 @@ pub async fn run(args: WriterArgs) -> anyhow::Result<()> {
     );
     // The S3 checksums' cost: the same document without one is the baseline.
     let none = find("large_writer_no_checksum");
-    for (label, summary) in [("crc32c (default)", plain), ("sha256", find("large_writer_sha256"))] {
+    for (label, summary) in [
+        ("crc32c (default)", plain),
+        ("sha256", find("large_writer_sha256")),
+    ] {
         println!(
             "checksum {label}: time vs no checksum={:.2} (median) {:.2} (best); {:.0} vs {:.0} MiB/s; peak RSS {:.0} vs {:.0} MiB",
             summary.median_seconds / none.median_seconds,
@@ -300,20 +303,48 @@ pub async fn scenario(name: &str, args: &[String]) -> anyhow::Result<(f64, f64)>
         "object_store" => object_store_writer(&parameters, sign_payload, &key).await?,
         "one_put" if sign_payload => one_put(&client, &parameters, &key).await?,
         "large_writer" => {
-            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::Crc32c, &key)
-                .await?
+            large_writer(
+                &client,
+                &parameters,
+                sign_payload,
+                false,
+                ChecksumChoice::Crc32c,
+                &key,
+            )
+            .await?
         }
         "large_writer_held" => {
-            large_writer(&client, &parameters, sign_payload, true, ChecksumChoice::Crc32c, &key)
-                .await?
+            large_writer(
+                &client,
+                &parameters,
+                sign_payload,
+                true,
+                ChecksumChoice::Crc32c,
+                &key,
+            )
+            .await?
         }
         "large_writer_sha256" => {
-            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::Sha256, &key)
-                .await?
+            large_writer(
+                &client,
+                &parameters,
+                sign_payload,
+                false,
+                ChecksumChoice::Sha256,
+                &key,
+            )
+            .await?
         }
         "large_writer_no_checksum" => {
-            large_writer(&client, &parameters, sign_payload, false, ChecksumChoice::None, &key)
-                .await?
+            large_writer(
+                &client,
+                &parameters,
+                sign_payload,
+                false,
+                ChecksumChoice::None,
+                &key,
+            )
+            .await?
         }
         "large_ceiling" => large_ceiling(&client, &parameters, sign_payload, &key).await?,
         _ => anyhow::bail!("unknown writer scenario {name}"),

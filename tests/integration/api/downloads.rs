@@ -36,7 +36,8 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
         base64::engine::general_purpose::STANDARD
             .encode(crc_fast::crc32_iscsi(&stored).to_be_bytes())
     };
-    let checksum = serde_json::json!({"algorithm": "CRC32C", "type": "FULL_OBJECT", "value": crc32c});
+    let checksum =
+        serde_json::json!({"algorithm": "CRC32C", "type": "FULL_OBJECT", "value": crc32c});
     assert_eq!(status["manifest"]["checksum"], checksum, "{status}");
 
     let (code, body) = api.get(&format!("/v1/reports/{id}/url")).await;
@@ -90,7 +91,10 @@ async fn a_presigned_url_downloads_the_document_straight_from_s3_until_it_expire
         .unwrap();
     assert_eq!(response.status().as_u16(), 307);
     assert_eq!(header(&response, "x-quire-sha256"), Some(digest.clone()));
-    assert_eq!(header(&response, "x-quire-checksum-crc32c"), Some(crc32c.clone()));
+    assert_eq!(
+        header(&response, "x-quire-checksum-crc32c"),
+        Some(crc32c.clone())
+    );
     assert_eq!(
         header(&response, "cache-control").as_deref(),
         Some("no-store")
