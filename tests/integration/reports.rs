@@ -1,4 +1,4 @@
-//! Gzip-compressed reports and report retention, against the real Kafka and
+//! Gzip- and Zstandard-compressed reports and report retention, against the real Kafka and
 //! S3 server: the producer API and report generators as child processes.
 
 use std::io::Read;
@@ -27,6 +27,14 @@ fn gunzip(bytes: &[u8]) -> Vec<u8> {
     xml
 }
 
+fn unzstd(bytes: &[u8]) -> Vec<u8> {
+    let mut xml = Vec::new();
+    zstd::stream::read::Decoder::new(bytes)
+        .and_then(|mut decoder| decoder.read_to_end(&mut xml))
+        .expect("the stored bytes are valid Zstandard frames");
+    xml
+}
+
 /// `GET /v1/reports/{id}/content`: status, Content-Type, Content-Encoding,
 /// body. A document served is data, never active content: this asserts it
 /// comes as a download named after its id, not sniffed, and sandboxed.
@@ -47,10 +55,10 @@ async fn content(api: &ApiProcess, id: &str) -> (u16, String, Option<String>, Ve
     let encoding = header("content-encoding");
     let status = response.status().as_u16();
     if status == 200 {
-        let extension = if content_type == "application/gzip" {
-            "xml.gz"
-        } else {
-            "xml"
+        let extension = match content_type.as_str() {
+            "application/gzip" => "xml.gz",
+            "application/zstd" => "xml.zst",
+            _ => "xml",
         };
         assert_eq!(
             header("content-disposition").as_deref(),
@@ -450,4 +458,110 @@ async fn without_lifecycle_rules_retention_falls_back_to_a_sweep_that_stops_when
         .expect("the retention task did not panic");
     assert_eq!(all_keys(&bucket).await, vec![NEW_REPORT]);
     bucket.delete().await.expect("bucket left clean");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zstd_stream_stores_xml_zst_frames_that_another_group_renders_to_the_same_bytes() {
+    let first = TestStack::create("zstd").await;
+    let api = first.start_api().await;
+    let stream = stream_name("zst");
+    // A header, written last, becomes a frame of its own ahead of the
+    // records' frame.
+    api.put_definition(
+        &stream,
+        json!({"root": "orders", "zstd": true, "header": {"fields": [{"name": "n", "value": "records"}]}}),
+    )
+    .await;
+    let (code, definition) = api.get(&format!("/v1/streams/{stream}/definition")).await;
+    assert_eq!(code, 200);
+    assert_eq!(definition["definition"]["zstd"], true);
+    assert_eq!(
+        definition["definition"]["v"], 7,
+        "a zstd definition is version 7"
+    );
+    api.send_ok(&stream, &records(&stream, 0, 300)).await;
+    api.send_ok(&stream, &records(&stream, 300, 200)).await;
+    let id = api.cut(&stream).await;
+    let _worker = first.worker("w1").spawn();
+    let status = api.wait_completed(&id, LONG).await;
+    let manifest = status["manifest"].clone();
+    let key = manifest["key"].as_str().expect("manifest key").to_owned();
+    assert!(
+        key.starts_with(&format!("reports/{stream}/")) && key.ends_with(".xml.zst"),
+        "zstd report key {key}"
+    );
+    let stored = first.bucket.read(&key).await.expect("the stored report");
+    assert_eq!(
+        &stored[..4],
+        &[0x28, 0xb5, 0x2f, 0xfd],
+        "stored bytes are a zstd frame"
+    );
+    assert_eq!(manifest["bytes"].as_u64(), Some(stored.len() as u64));
+    assert_eq!(
+        manifest["sha256"].as_str(),
+        Some(sha256_hex(&stored).as_str())
+    );
+    assert_eq!(
+        stored_content_type(&first.bucket, &key).await.as_deref(),
+        Some("application/zstd")
+    );
+    let xml = unzstd(&stored);
+    assert_eq!(
+        manifest["uncompressed_bytes"].as_u64(),
+        Some(xml.len() as u64)
+    );
+    assert!(
+        stored.len() * 2 < xml.len(),
+        "{} stored bytes for {} of XML",
+        stored.len(),
+        xml.len()
+    );
+    let text = std::str::from_utf8(&xml).expect("UTF-8 XML");
+    let document = roxmltree::Document::parse(text).expect("well-formed XML");
+    assert_eq!(document.root_element().tag_name().name(), "orders");
+    let header_count = document
+        .descendants()
+        .find(|node| node.tag_name().name() == "n")
+        .and_then(|node| node.text())
+        .map(str::to_owned);
+    assert_eq!(
+        header_count.as_deref(),
+        Some("500"),
+        "the header frame holds the total"
+    );
+    assert_eq!(
+        sequence_of(&manifest, xml.clone()),
+        (0..500).collect::<Vec<u64>>(),
+        "exactly the records sent, in order"
+    );
+    let (code, content_type, encoding, served) = content(&api, &id).await;
+    assert_eq!(code, 200);
+    assert_eq!(content_type, "application/zstd");
+    assert_eq!(
+        encoding, None,
+        "served as the zstd file, not as encoded XML"
+    );
+    assert_eq!(served, stored);
+
+    // A new group reads the same log from its beginning, into a bucket of
+    // its own: the same key, bytes and manifest.
+    let again = TestStack::create("zstd-again").await;
+    let mut replay = again
+        .worker("w1")
+        .with(|settings| settings.kafka.topics.records = first.topics.records.clone())
+        .drain()
+        .spawn();
+    assert_eq!(replay.wait(LONG), Some(0));
+    let rendered_again = again.observe().await;
+    let other = rendered_again
+        .reports
+        .get(&id)
+        .unwrap_or_else(|| panic!("report {id} rendered again"));
+    assert_eq!(
+        other.manifest["key"].as_str(),
+        Some(key.as_str()),
+        "same key"
+    );
+    assert_eq!(other.document, stored, "same bytes");
+    assert_eq!(other.manifest, manifest, "same manifest");
 }

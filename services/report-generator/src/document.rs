@@ -1,21 +1,20 @@
 //! One open report document: rendered XML streamed into a multipart upload,
-//! through a gzip encoder when the stream's definition asks for it.
+//! through a compressor when the stream's definition asks for gzip or zstd
+//! (`encoding`), then stored with its schema, tags and manifest (`store`).
 //!
-//! Gzip keeps "same key, same bytes": the header carries no time and no file
-//! name (mtime 0, OS "unknown"), and the compressor (flate2 on miniz_oxide,
-//! level [`GZIP_LEVEL`]) is deterministic, so the same records fed in the same
-//! order compress to the same bytes on every replay.
+//! Compression keeps "same key, same bytes": both compressors are
+//! deterministic (`quire_xml::compress`), so the same records fed in the
+//! same order compress to the same bytes on every replay.
 
-use std::io::Write;
+mod encoding;
+mod store;
+
+use encoding::Encoding;
+
 use std::time::Instant;
 
-use flate2::Compression;
-use flate2::GzBuilder;
-use flate2::write::GzEncoder;
 use quire_messages::layout;
-use quire_messages::{
-    CURRENT_VERSION, Definition, Manifest, ObjectChecksum, ReportId, StreamName, Trigger,
-};
+use quire_messages::{CURRENT_VERSION, Manifest, ObjectChecksum, ReportId, StreamName, Trigger};
 use std::sync::Arc;
 
 use quire_messages::window::Window;
@@ -26,22 +25,9 @@ use crate::WorkerError;
 use crate::decide::DocumentStats;
 use crate::pipeline::{Document, DocumentSpec, DocumentStore};
 
-/// Deflate level of gzip reports: the fastest. XML of repeated element names
-/// compresses several times over even at level 1, and the worker's CPU is
-/// better spent rendering; a change of level changes the bytes of reports
-/// rendered again after an upgrade (their manifests follow).
-pub const GZIP_LEVEL: u32 = 1;
-
-/// Memory a gzip document holds besides the writer's, counted in the
-/// worker's memory pool (it cannot spill, so other documents' bytes do): miniz_oxide's compressor (its 32 KiB window, hash
-/// chains, a 64 KiB code buffer and an 85 KiB output buffer, about 320 KiB),
-/// flate2's 32 KiB output buffer, and the two buffers compressed bytes pass
-/// through. An upper estimate; the compressor does not say.
-const GZIP_STATE_BYTES: u64 = 512 * 1024;
-
 /// A document being written. Its key is fixed when it opens
-/// (`reports/{stream}/{partition}-{first_offset}.xml`, `.xml.gz` under a gzip
-/// definition) and its bytes depend only on the log: records, the definition
+/// (`reports/{stream}/{partition}-{first_offset}.xml`, `.xml.gz` or
+/// `.xml.zst` under a compressing definition) and its bytes depend only on the log: records, the definition
 /// in force at its first record, and the marker that cuts it.
 pub struct OpenDocument {
     pub stream: StreamName,
@@ -61,7 +47,7 @@ pub struct OpenDocument {
     /// Its time window, for a windowed stream.
     pub window: Option<DocumentWindow>,
     renderer: DocumentRenderer,
-    /// Between the renderer and the writer: plain, or gzip.
+    /// Between the renderer and the writer: plain, or compressed.
     encoding: Encoding,
     writer: MultipartWriter,
     /// One record's rendering, reused; appended to the writer only once the
@@ -94,121 +80,6 @@ pub enum RecordInput<'a> {
     /// Its fields' elements already written by `quire_xml::render_fields`
     /// from `text`.
     Rendered { text: &'a [u8], fields: &'a [u8] },
-}
-
-/// What rendered bytes go through on their way to the writer.
-enum Encoding {
-    Plain,
-    Gzip(GzipStage),
-}
-
-/// A gzip encoder writing into a buffer that is handed to the writer as soon
-/// as the compressor emits anything (a deflate block at a time).
-struct GzipStage {
-    encoder: GzEncoder<Vec<u8>>,
-    /// The compressor's memory, in the pool's count while the stage lives.
-    _counted: CountedMemory,
-    /// XML bytes fed in so far.
-    uncompressed: u64,
-    /// The buffer handed out last, swapped back in so its capacity is reused.
-    spare: Vec<u8>,
-}
-
-/// Memory counted in a pool for as long as this lives.
-struct CountedMemory {
-    pool: Option<Arc<MemoryPool>>,
-    bytes: u64,
-}
-
-impl CountedMemory {
-    fn new(pool: Option<Arc<MemoryPool>>, bytes: u64) -> Self {
-        if let Some(pool) = &pool {
-            pool.force_reserve_buffer(bytes);
-        }
-        CountedMemory { pool, bytes }
-    }
-}
-
-impl Drop for CountedMemory {
-    fn drop(&mut self) {
-        if let Some(pool) = &self.pool {
-            pool.release_buffer(self.bytes);
-        }
-    }
-}
-
-impl GzipStage {
-    fn new(pool: Option<Arc<MemoryPool>>) -> Self {
-        // No mtime and no file name: the header is the same on every replay.
-        let encoder = GzBuilder::new()
-            .mtime(0)
-            .operating_system(255)
-            .write(Vec::new(), Compression::new(GZIP_LEVEL));
-        GzipStage {
-            encoder,
-            _counted: CountedMemory::new(pool, GZIP_STATE_BYTES),
-            uncompressed: 0,
-            spare: Vec::new(),
-        }
-    }
-
-    /// Feeds `xml` in; returns the compressed bytes ready to store (maybe none).
-    fn compress(&mut self, xml: &[u8]) -> std::io::Result<&[u8]> {
-        self.encoder.write_all(xml)?;
-        self.uncompressed += xml.len() as u64;
-        self.spare.clear();
-        // The encoder's sink is a plain Vec: swapping it out between writes
-        // only moves compressed bytes already emitted.
-        std::mem::swap(self.encoder.get_mut(), &mut self.spare);
-        Ok(&self.spare)
-    }
-
-    /// A whole gzip member of `xml` alone.
-    fn finish_with(mut self, xml: &[u8]) -> std::io::Result<Vec<u8>> {
-        self.encoder.write_all(xml)?;
-        self.encoder.finish()
-    }
-
-    /// Ends the stream: the last compressed bytes and the gzip trailer.
-    fn finish(self) -> std::io::Result<(Vec<u8>, u64)> {
-        Ok((self.encoder.finish()?, self.uncompressed))
-    }
-}
-
-impl Encoding {
-    fn for_definition(definition: &Definition, pool: &Arc<MemoryPool>) -> Self {
-        if definition.gzip {
-            Encoding::Gzip(GzipStage::new(Some(pool.clone())))
-        } else {
-            Encoding::Plain
-        }
-    }
-}
-
-/// Appends rendered XML to the writer, through the encoding.
-async fn write_xml(
-    encoding: &mut Encoding,
-    writer: &mut MultipartWriter,
-    xml: &[u8],
-) -> Result<(), WorkerError> {
-    match encoding {
-        Encoding::Plain => writer.append(xml).await?,
-        Encoding::Gzip(stage) => {
-            let compressed = stage
-                .compress(xml)
-                .map_err(|error| compression_failed(writer.key(), &error))?;
-            if !compressed.is_empty() {
-                writer.append(compressed).await?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Compressing into memory does not fail in practice (the sink is a Vec);
-/// should it, the document is abandoned like one whose upload failed.
-fn compression_failed(key: &str, error: &std::io::Error) -> WorkerError {
-    WorkerError::S3(format!("gzip compression of {key} failed: {error}"))
 }
 
 impl OpenDocument {
@@ -246,7 +117,7 @@ impl OpenDocument {
             )
         });
         let totals = Totals::new(definition);
-        let mut encoding = Encoding::for_definition(definition, bucket.memory());
+        let mut encoding = Encoding::for_definition(definition, bucket.memory(), &key)?;
         let content_type = layout::content_type_for_key(&key);
         let mut writer = bucket.typed_writer(key, content_type, policy)?;
         let scratch = Vec::with_capacity(4096);
@@ -257,7 +128,7 @@ impl OpenDocument {
         } else {
             let mut start = Vec::with_capacity(512);
             renderer.start(&mut start, stream.as_str(), partition, first_offset);
-            write_xml(&mut encoding, &mut writer, &start).await?;
+            encoding.write(&mut writer, &start).await?;
         }
         Ok(OpenDocument {
             stream,
@@ -316,7 +187,7 @@ impl OpenDocument {
         time_ms: Option<i64>,
         records: u64,
     ) -> Result<(), WorkerError> {
-        write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
+        self.encoding.write(&mut self.writer, &self.scratch).await?;
         self.scratch.clear();
         if let Some(totals) = &mut self.totals {
             totals.commit();
@@ -330,7 +201,7 @@ impl OpenDocument {
         Ok(())
     }
 
-    /// Bytes of the stored object so far (compressed under gzip, less what
+    /// Bytes of the stored object so far (compressed under compression, less what
     /// the compressor still holds): what the byte rollover bounds, as it
     /// bounds the object's size.
     pub fn bytes(&self) -> u64 {
@@ -338,18 +209,14 @@ impl OpenDocument {
     }
 
     /// Memory held: the writer's buffer capacity and parts in flight, and
-    /// the compressor's state under gzip (all counted in the worker's pool).
+    /// the compressor's state (all counted in the worker's pool).
     pub fn held_bytes(&self) -> u64 {
-        let compressor = match &self.encoding {
-            Encoding::Plain => 0,
-            Encoding::Gzip(_) => GZIP_STATE_BYTES,
-        };
-        self.writer.held_bytes() + compressor
+        self.writer.held_bytes() + self.encoding.held_bytes()
     }
 
-    /// Whether it holds a gzip compressor (see [`gzip_documents_to_cut`]).
-    pub fn is_gzip(&self) -> bool {
-        matches!(self.encoding, Encoding::Gzip(_))
+    /// Whether it holds a compressor (see [`compressed_documents_to_cut`]).
+    pub fn is_compressed(&self) -> bool {
+        self.encoding.is_compressed()
     }
 
     /// Bytes of the document waiting in the spill directory.
@@ -393,7 +260,7 @@ impl OpenDocument {
             summary_window.as_ref(),
             &totals,
         );
-        write_xml(&mut self.encoding, &mut self.writer, &self.scratch).await?;
+        self.encoding.write(&mut self.writer, &self.scratch).await?;
         // A header's document: the declaration, the root and the header,
         // filled in now, go before the first part.
         let mut head = Vec::new();
@@ -425,26 +292,7 @@ impl OpenDocument {
                 },
             );
         }
-        let head_xml = head.len() as u64;
-        let uncompressed_bytes = match self.encoding {
-            Encoding::Plain => None,
-            Encoding::Gzip(stage) => {
-                let (trailer, uncompressed) = stage
-                    .finish()
-                    .map_err(|error| compression_failed(self.writer.key(), &error))?;
-                self.writer.append(&trailer).await?;
-                if !head.is_empty() {
-                    // Its own gzip member, ahead of the records' member:
-                    // RFC 1952 readers (gunzip, browsers, MultiGzDecoder)
-                    // read the members one after the other as one text.
-                    let member = GzipStage::new(None);
-                    head = member
-                        .finish_with(&head)
-                        .map_err(|error| compression_failed(self.writer.key(), &error))?;
-                }
-                Some(uncompressed + head_xml)
-            }
-        };
+        let (head, uncompressed_bytes) = self.encoding.finish(&mut self.writer, head).await?;
         let WrittenObject {
             key,
             bytes,
@@ -483,13 +331,13 @@ impl OpenDocument {
             // Before the manifest, so before the transaction that announces
             // the report; a replay sets the same tags.
             bucket
-                .tag_object(&manifest.key, &report_tags(&manifest))
+                .tag_object(&manifest.key, &store::report_tags(&manifest))
                 .await?;
         }
         if let Some((key, schema)) = &self.schema {
-            put_schema(bucket, key, schema).await?;
+            store::put_schema(bucket, key, schema).await?;
         }
-        put_manifest(
+        store::put_manifest(
             bucket,
             &manifest,
             self.window.as_ref().map(|window| window.window),
@@ -510,8 +358,8 @@ impl OpenDocument {
 
 /// Renders `record` at the end of `scratch` with `renderer`: the bytes it
 /// added, or why it cannot be rendered (`scratch` is then as it was). Under
-/// gzip a record's compressed bytes are not known yet; its XML is an upper
-/// bound of them (deflate adds a few bytes per block at worst, which the
+/// compression a record's compressed bytes are not known yet; its XML is an upper
+/// bound of them (deflate and Zstandard add a few bytes per block at worst, which the
 /// caller's closing room covers).
 pub fn render_record(
     renderer: &DocumentRenderer,
@@ -637,35 +485,37 @@ impl DocumentStore for S3Documents {
     }
 }
 
-/// The gzip documents to cut early so that at most `max_gzip_documents`
-/// (`worker.max_gzip_documents`) compressors stay open once the cuts land,
-/// largest first; returned as (partition, stream).
+/// The compressed documents to cut early so that at most
+/// `max_compressed` (`worker.max_gzip_documents`, which bounds gzip and
+/// zstd compressors together) stay open once the cuts land, largest first;
+/// returned as (partition, stream).
 ///
-/// Why cuts: a compressor's state (512 KiB each, counted in the memory
-/// budget) cannot spill, and it cannot be dropped and rebuilt mid-document
-/// without changing the document's bytes (same key, same bytes), so
-/// thousands of gzip streams would otherwise hold thousands of them. A
-/// document that has to open still opens (the log decides where documents
-/// start): past the bound, the largest open gzip documents are cut by
-/// marker, like the memory cuts, and the bound holds again once the markers
-/// land. Documents whose cut is already requested count as leaving.
-pub fn gzip_documents_to_cut<'a>(
+/// Why cuts: a compressor's state (counted in the memory budget:
+/// `quire_xml::compress::state_bytes`) cannot spill, and it cannot be
+/// dropped and rebuilt mid-document without changing the document's bytes
+/// (same key, same bytes), so thousands of compressed streams would
+/// otherwise hold thousands of them. A document that has to open still
+/// opens (the log decides where documents start): past the bound, the
+/// largest open compressed documents are cut by marker, like the memory
+/// cuts, and the bound holds again once the markers land. Documents whose
+/// cut is already requested count as leaving.
+pub fn compressed_documents_to_cut<'a>(
     documents: impl IntoIterator<Item = &'a OpenDocument>,
-    max_gzip_documents: usize,
+    max_compressed: usize,
 ) -> Vec<(i32, StreamName)> {
     let candidates = documents
         .into_iter()
-        .filter(|document| document.is_gzip())
-        .map(|document| GzipCandidate {
+        .filter(|document| document.is_compressed())
+        .map(|document| CompressedCandidate {
             bytes: document.buffered_bytes(),
             leaving: document.cut_requested.is_some(),
             id: (document.partition, document.stream.clone()),
         });
-    past_the_bound(candidates, max_gzip_documents)
+    past_the_bound(candidates, max_compressed)
 }
 
-/// An open gzip document, for [`past_the_bound`].
-struct GzipCandidate<Id> {
+/// An open compressed document, for [`past_the_bound`].
+struct CompressedCandidate<Id> {
     bytes: u64,
     /// Its cut is requested already.
     leaving: bool,
@@ -674,8 +524,9 @@ struct GzipCandidate<Id> {
 
 /// Which of `open` to cut so that at most `max` stay once every requested
 /// cut lands: the largest of those not leaving yet.
-fn past_the_bound<Id>(open: impl Iterator<Item = GzipCandidate<Id>>, max: usize) -> Vec<Id> {
-    let mut staying: Vec<GzipCandidate<Id>> = open.filter(|document| !document.leaving).collect();
+fn past_the_bound<Id>(open: impl Iterator<Item = CompressedCandidate<Id>>, max: usize) -> Vec<Id> {
+    let mut staying: Vec<CompressedCandidate<Id>> =
+        open.filter(|document| !document.leaving).collect();
     let excess = staying.len().saturating_sub(max);
     if excess == 0 {
         return Vec::new();
@@ -723,188 +574,14 @@ pub fn memory_pool(
     Ok(Arc::new(pool))
 }
 
-/// Writes the manifest through the same writer as documents, so it gets the
-/// same per-attempt timeouts, retries and counters (a single PutObject: a
-/// manifest is far below one part).
-/// A windowed report's manifest is also copied into the window index
-/// (`layout::window_index_key`), after the manifest itself.
-/// Stores a typed definition's schema once per worker process (the same
-/// key always holds the same bytes: its name is their digest, so a replay
-/// or another worker writing it again changes nothing).
-async fn put_schema(bucket: &S3Bucket, key: &str, schema: &str) -> Result<(), WorkerError> {
-    static STORED: std::sync::Mutex<std::collections::BTreeSet<String>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let place = format!("{}/{key}", bucket.name());
-    let stored = |place: &str| {
-        STORED
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .contains(place)
-    };
-    if stored(&place) {
-        return Ok(());
-    }
-    let policy = UploadPolicy::for_max_object_size(schema.len() as u64);
-    let mut writer = bucket.typed_writer(key, Some(layout::XSD_CONTENT_TYPE), &policy)?;
-    writer.append(schema.as_bytes()).await?;
-    writer.finish().await?;
-    STORED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .insert(place);
-    Ok(())
-}
-
-/// The tags of a report's object, for lifecycle rules and people to select
-/// reports by: `quire-stream`, `quire-report-id` (its `~` written `/`,
-/// which S3 tags allow), `quire-partition`, `quire-records`,
-/// `quire-first-offset`, `quire-last-offset`, and `quire-window-start` for
-/// a windowed stream. Stream names and window starts hold only characters
-/// S3 tags allow.
-pub fn report_tags(manifest: &Manifest) -> Vec<(&'static str, String)> {
-    let mut tags = vec![
-        ("quire-stream", manifest.stream.to_string()),
-        (
-            "quire-report-id",
-            manifest.report_id.to_string().replace('~', "/"),
-        ),
-        ("quire-partition", manifest.partition.to_string()),
-        ("quire-records", manifest.records.to_string()),
-        ("quire-first-offset", manifest.first_offset.to_string()),
-        ("quire-last-offset", manifest.last_offset.to_string()),
-    ];
-    if let Some(start) = &manifest.window_start {
-        tags.push(("quire-window-start", start.clone()));
-    }
-    tags
-}
-
-async fn put_manifest(
-    bucket: &S3Bucket,
-    manifest: &Manifest,
-    window: Option<Window>,
-) -> Result<(), WorkerError> {
-    let body = serde_json::to_vec_pretty(manifest).expect("manifests serialise");
-    let policy = UploadPolicy::for_max_object_size(body.len() as u64);
-    let keys =
-        std::iter::once(layout::manifest_key(&manifest.report_id)).chain(window.map(|window| {
-            layout::window_index_key(&manifest.stream, window.start_ms, &manifest.report_id)
-        }));
-    for key in keys {
-        let mut writer = bucket.typed_writer(key, Some(layout::JSON_CONTENT_TYPE), &policy)?;
-        writer.append(&body).await?;
-        writer.finish().await?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
-    use std::io::Read;
-
     use super::*;
 
-    /// Feeds `pieces` through a gzip stage the way a document does; returns
-    /// the stored bytes.
-    fn gzip_document(pieces: &[&[u8]]) -> Vec<u8> {
-        let mut stage = GzipStage::new(None);
-        let mut stored = Vec::new();
-        for piece in pieces {
-            stored.extend_from_slice(stage.compress(piece).unwrap());
-        }
-        let (trailer, uncompressed) = stage.finish().unwrap();
-        stored.extend_from_slice(&trailer);
-        let expected: usize = pieces.iter().map(|piece| piece.len()).sum();
-        assert_eq!(uncompressed, expected as u64);
-        stored
-    }
-
-    fn sample_pieces() -> Vec<Vec<u8>> {
-        let mut pieces = vec![b"<?xml version=\"1.0\"?>\n<report>\n".to_vec()];
-        for number in 0..5000 {
-            pieces.push(
-                format!(
-                    "<record><id>{number}</id><name>item {}</name></record>\n",
-                    number * 7
-                )
-                .into_bytes(),
-            );
-        }
-        pieces.push(b"<summary records=\"5000\"/></report>\n".to_vec());
-        pieces
-    }
-
-    /// A header's document under gzip: the head is a gzip member of its
-    /// own, stored before the records' member; a multi-member reader (and
-    /// gunzip) reads the whole document, and the head's member is the same
-    /// bytes every time.
     #[test]
-    fn a_head_member_before_the_records_member_gunzips_to_the_whole_document() {
-        let pieces = sample_pieces();
-        let (head, records) = pieces.split_at(1);
-        let borrowed: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
-        let records_member = gzip_document(&borrowed);
-        let head_member = GzipStage::new(None).finish_with(&head[0]).unwrap();
-        assert_eq!(
-            head_member,
-            GzipStage::new(None).finish_with(&head[0]).unwrap(),
-            "the same head compresses to the same bytes"
-        );
-        let stored = [head_member, records_member].concat();
-        let mut xml = Vec::new();
-        flate2::read::MultiGzDecoder::new(stored.as_slice())
-            .read_to_end(&mut xml)
-            .unwrap();
-        assert_eq!(xml, pieces.concat());
-        let dir = std::env::temp_dir().join(format!("quire-gz-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("members.xml.gz");
-        std::fs::write(&file, &stored).unwrap();
-        let gunzip = std::process::Command::new("gzip")
-            .args(["-dc", file.to_str().unwrap()])
-            .output()
-            .expect("gzip is installed");
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert!(gunzip.status.success());
-        assert_eq!(gunzip.stdout, pieces.concat(), "gunzip reads every member");
-    }
-
-    #[test]
-    fn a_gzip_document_gunzips_to_what_was_rendered() {
-        let pieces = sample_pieces();
-        let borrowed: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
-        let stored = gzip_document(&borrowed);
-        let mut xml = Vec::new();
-        flate2::read::GzDecoder::new(stored.as_slice())
-            .read_to_end(&mut xml)
-            .unwrap();
-        assert_eq!(xml, pieces.concat());
-        assert!(
-            stored.len() * 3 < xml.len(),
-            "{} compressed bytes for {} of XML",
-            stored.len(),
-            xml.len()
-        );
-    }
-
-    #[test]
-    fn the_same_records_compress_to_the_same_bytes_with_a_header_that_holds_no_time_or_name() {
-        let pieces = sample_pieces();
-        let borrowed: Vec<&[u8]> = pieces.iter().map(Vec::as_slice).collect();
-        let first = gzip_document(&borrowed);
-        std::thread::sleep(std::time::Duration::from_millis(1100));
-        let second = gzip_document(&borrowed);
-        assert_eq!(first, second, "a replay must store the same bytes");
-        // RFC 1952: magic, CM=8, FLG (no FNAME/FCOMMENT/FEXTRA), MTIME, XFL, OS.
-        assert_eq!(&first[..3], &[0x1f, 0x8b, 8]);
-        assert_eq!(first[3], 0, "no file name, comment or extra field");
-        assert_eq!(&first[4..8], &[0, 0, 0, 0], "no modification time");
-        assert_eq!(first[9], 255, "operating system unknown");
-    }
-
-    #[test]
-    fn past_the_gzip_bound_the_largest_documents_not_yet_leaving_are_cut() {
-        let candidate = |id: u32, bytes: u64, leaving: bool| GzipCandidate { bytes, leaving, id };
+    fn past_the_compressor_bound_the_largest_documents_not_yet_leaving_are_cut() {
+        let candidate =
+            |id: u32, bytes: u64, leaving: bool| CompressedCandidate { bytes, leaving, id };
         let open = || {
             vec![
                 candidate(1, 100, false),
@@ -920,16 +597,6 @@ mod tests {
         );
         assert_eq!(past_the_bound(open().into_iter(), 2), vec![5, 3]);
         assert_eq!(past_the_bound(open().into_iter(), 0), vec![5, 3, 4, 1]);
-        assert!(past_the_bound(Vec::<GzipCandidate<u32>>::new().into_iter(), 1).is_empty());
-    }
-
-    #[test]
-    fn an_empty_gzip_document_is_a_valid_gzip_file() {
-        let stored = gzip_document(&[]);
-        let mut xml = Vec::new();
-        flate2::read::GzDecoder::new(stored.as_slice())
-            .read_to_end(&mut xml)
-            .unwrap();
-        assert!(xml.is_empty());
+        assert!(past_the_bound(Vec::<CompressedCandidate<u32>>::new().into_iter(), 1).is_empty());
     }
 }

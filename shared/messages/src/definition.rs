@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::CURRENT_VERSION;
+use crate::compression::Compression;
 use crate::fields::{Field, FieldKind, FieldsError, Undeclared, check_fields};
 use crate::header::{HeaderError, HeaderSpec};
 use crate::key_template::{self, TemplateError};
@@ -48,6 +49,11 @@ pub struct Definition {
     /// plain XML under a `.xml.gz` key.
     #[serde(default, skip_serializing_if = "is_false")]
     pub gzip: bool,
+    /// Store the document Zstandard-compressed (`.xml.zst`,
+    /// `application/zstd`), compressed while it streams; not with `gzip`.
+    /// Written as version [`Definition::ZSTD_VERSION`].
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub zstd: bool,
     /// Reports per time window of the log (see [`crate::window`]): a
     /// document ends at the first message of its partition at or past its
     /// window's end, and a window nothing closed gets a marker once a
@@ -113,6 +119,7 @@ impl Default for Definition {
             attributes: BTreeSet::new(),
             renames: BTreeMap::new(),
             gzip: false,
+            zstd: false,
             window: None,
             key_template: None,
             fields: Vec::new(),
@@ -174,6 +181,8 @@ pub enum DefinitionError {
         "indent {0} is out of range: give 1 to {MAX_INDENT} spaces per level, or leave it out for one line per record"
     )]
     Indent(u8),
+    #[error("gzip and zstd are both set; a report is stored with one compression: choose one")]
+    TwoCompressions,
 }
 
 impl Definition {
@@ -196,14 +205,20 @@ impl Definition {
     /// The first version with `indent`: a release that cannot indent
     /// refuses such a definition by name rather than write it on one line.
     pub const INDENT_VERSION: u32 = 6;
+    /// The first version with `zstd`: a release that cannot compress with
+    /// Zstandard refuses such a definition by name rather than store plain
+    /// XML under a `.xml.zst` key.
+    pub const ZSTD_VERSION: u32 = 7;
     /// The newest definition version this release reads.
-    pub const NEWEST_VERSION: u32 = Definition::INDENT_VERSION;
+    pub const NEWEST_VERSION: u32 = Definition::ZSTD_VERSION;
 
     /// The version to publish this definition with: the oldest that holds
     /// everything it asks for, so definitions without gzip, windows or key
     /// templates stay readable by every release.
     pub fn required_version(&self) -> u32 {
-        if self.indent.is_some() {
+        if self.zstd {
+            Definition::ZSTD_VERSION
+        } else if self.indent.is_some() {
             Definition::INDENT_VERSION
         } else if self.header.is_some() {
             Definition::HEADER_VERSION
@@ -222,6 +237,17 @@ impl Definition {
         }
     }
 
+    /// How its reports are stored: gzip, Zstandard, or plain (`None`).
+    pub fn compression(&self) -> Option<Compression> {
+        if self.zstd {
+            Some(Compression::Zstd)
+        } else if self.gzip {
+            Some(Compression::Gzip)
+        } else {
+            None
+        }
+    }
+
     /// Whether it declares typed fields.
     pub fn is_typed(&self) -> bool {
         !self.fields.is_empty()
@@ -233,6 +259,9 @@ impl Definition {
             && !(1..=MAX_INDENT).contains(&indent)
         {
             return Err(DefinitionError::Indent(indent));
+        }
+        if self.gzip && self.zstd {
+            return Err(DefinitionError::TwoCompressions);
         }
         check_fields(&self.fields, self.undeclared, &self.totals)?;
         for field in &self.fields {
@@ -283,7 +312,7 @@ impl Definition {
             )?;
         }
         if let Some(template) = &self.key_template {
-            key_template::validate(template, self.gzip)?;
+            key_template::validate(template, self.compression())?;
         }
         Ok(())
     }
@@ -411,6 +440,22 @@ mod tests {
         }
         assert!(serde_json::from_str::<Definition>(r#"{"indent": 256}"#).is_err());
         assert!(serde_json::from_str::<Definition>(r#"{"indent": -1}"#).is_err());
+    }
+
+    #[test]
+    fn zstd_is_optional_excludes_gzip_and_raises_the_version_it_needs() {
+        let plain = serde_json::to_string(&Definition::default()).unwrap();
+        assert!(!plain.contains("zstd"), "{plain}");
+        let zstd: Definition = serde_json::from_str(r#"{"zstd": true}"#).unwrap();
+        zstd.validate().unwrap();
+        assert_eq!(zstd.compression(), Some(Compression::Zstd));
+        assert_eq!(zstd.required_version(), Definition::ZSTD_VERSION);
+        let gzip: Definition = serde_json::from_str(r#"{"gzip": true}"#).unwrap();
+        assert_eq!(gzip.compression(), Some(Compression::Gzip));
+        assert_eq!(gzip.required_version(), Definition::GZIP_VERSION);
+        assert_eq!(Definition::default().compression(), None);
+        let both: Definition = serde_json::from_str(r#"{"gzip": true, "zstd": true}"#).unwrap();
+        assert_eq!(both.validate(), Err(DefinitionError::TwoCompressions));
     }
 
     #[test]

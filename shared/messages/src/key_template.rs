@@ -16,7 +16,8 @@
 //!    sweep look, and where whoever reads the bucket by prefix (Athena,
 //!    Spark, a token scoped to a stream prefix) finds that stream's reports
 //!    and no other's (checked after the syntax, so a typo is named first);
-//! 3. it ends with `.xml`, or `.xml.gz` when the definition stores gzip: the
+//! 3. it ends with `.xml`, or `.xml.gz` / `.xml.zst` when the definition
+//!    stores gzip / Zstandard: the
 //!    extension is how readers tell a document's media type;
 //! 4. its placeholders are `{name}` with `name` one of [`PLACEHOLDERS`]; an
 //!    unknown name, a `{` without its `}`, a stray `}` or a `{` inside a
@@ -49,6 +50,7 @@
 //! `rendering.rs` fills a template in ([`render`]).
 
 use crate::StreamName;
+use crate::compression::{Compression, report_extension};
 use crate::layout::REPORTS_PREFIX;
 
 mod file_name;
@@ -95,10 +97,11 @@ pub enum TemplateError {
     )]
     OutsideStreamSpace,
     #[error(
-        "key_template must end with {}, since the definition has gzip: {gzip}",
-        extension(*.gzip)
+        "key_template must end with {}, since the definition stores {}",
+        report_extension(*.compression),
+        stored_as(*.compression)
     )]
-    WrongExtension { gzip: bool },
+    WrongExtension { compression: Option<Compression> },
     #[error(
         "key_template has an unknown placeholder {{{name}}}; use {}",
         placeholder_list()
@@ -134,10 +137,13 @@ pub enum TemplateError {
     DotSegment { segment: &'static str, at: usize },
     #[error(
         "key_template has the file name {file_name:?}, which could render as {{5 digits}}-{{20 digits}}{}, the name the take-over sweep reads a document's partition from; end the template with {{partition}}-{{first_offset}}{} or a file name that cannot look like it (one starting with a letter, say)",
-        extension(*.gzip),
-        extension(*.gzip)
+        report_extension(*.compression),
+        report_extension(*.compression)
     )]
-    LooksLikeAPartitionFile { file_name: String, gzip: bool },
+    LooksLikeAPartitionFile {
+        file_name: String,
+        compression: Option<Compression>,
+    },
     #[error(
         "key_template can render keys of up to {longest} bytes (with a stream name of {} bytes); S3 keys are at most {MAX_KEY_BYTES}",
         StreamName::MAX_LENGTH
@@ -145,9 +151,13 @@ pub enum TemplateError {
     KeyTooLong { longest: usize },
 }
 
-/// The extension a definition's documents need.
-fn extension(gzip: bool) -> &'static str {
-    if gzip { ".xml.gz" } else { ".xml" }
+/// How a definition's documents are stored, in an error's words.
+fn stored_as(compression: Option<Compression>) -> &'static str {
+    match compression {
+        None => "plain XML",
+        Some(Compression::Gzip) => "gzip (gzip: true)",
+        Some(Compression::Zstd) => "Zstandard (zstd: true)",
+    }
 }
 
 /// `{stream}, {yyyy}, …`: the allowed placeholders, for messages.
@@ -173,10 +183,10 @@ pub struct KeyParts<'a> {
     pub first_offset: i64,
 }
 
-/// Checks a template; `gzip` is whether the definition stores gzip
-/// (`.xml.gz`). The rules, in the order they are checked, are in the
+/// Checks a template; `compression` is how the definition stores its
+/// documents (`.xml`, `.xml.gz` or `.xml.zst`). The rules, in the order they are checked, are in the
 /// module's documentation.
-pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
+pub fn validate(template: &str, compression: Option<Compression>) -> Result<(), TemplateError> {
     if template.is_empty() {
         return Err(TemplateError::Empty);
     }
@@ -220,8 +230,8 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
     if !template.starts_with(STREAM_SPACE_PREFIX) {
         return Err(TemplateError::OutsideStreamSpace);
     }
-    if !template.ends_with(extension(gzip)) {
-        return Err(TemplateError::WrongExtension { gzip });
+    if !template.ends_with(report_extension(compression)) {
+        return Err(TemplateError::WrongExtension { compression });
     }
     let missing = match (has_partition, has_first_offset) {
         (true, true) => None,
@@ -235,12 +245,16 @@ pub fn validate(template: &str, gzip: bool) -> Result<(), TemplateError> {
     let file_name = template
         .rsplit_once('/')
         .map_or(template, |(_, file_name)| file_name);
-    if file_name != format!("{{partition}}-{{first_offset}}{}", extension(gzip))
+    if file_name
+        != format!(
+            "{{partition}}-{{first_offset}}{}",
+            report_extension(compression)
+        )
         && could_look_like_a_partition_file(file_name)
     {
         return Err(TemplateError::LooksLikeAPartitionFile {
             file_name: file_name.to_owned(),
-            gzip,
+            compression,
         });
     }
     if longest > MAX_KEY_BYTES {
@@ -297,9 +311,16 @@ impl Segment {
 mod tests {
     use super::*;
 
+    pub(super) const PLAIN: Option<Compression> = None;
+    pub(super) const GZIP: Option<Compression> = Some(Compression::Gzip);
+
     /// The template's error, checking its message names `needle`.
-    pub(super) fn refused(template: &str, gzip: bool, needle: &str) -> TemplateError {
-        let error = validate(template, gzip).expect_err(template);
+    pub(super) fn refused(
+        template: &str,
+        compression: Option<Compression>,
+        needle: &str,
+    ) -> TemplateError {
+        let error = validate(template, compression).expect_err(template);
         let message = error.to_string();
         assert!(message.starts_with("key_template "), "{message}");
         assert!(message.contains(needle), "{message:?} lacks {needle:?}");
@@ -308,13 +329,13 @@ mod tests {
 
     #[test]
     fn empty_and_overlong_templates_are_refused() {
-        assert_eq!(refused("", false, "empty"), TemplateError::Empty);
+        assert_eq!(refused("", PLAIN, "empty"), TemplateError::Empty);
         let long = format!(
             "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
             "a".repeat(MAX_TEMPLATE_BYTES)
         );
         assert_eq!(
-            refused(&long, false, "at most 512"),
+            refused(&long, PLAIN, "at most 512"),
             TemplateError::TooLong { length: long.len() }
         );
         let longest = format!(
@@ -322,7 +343,7 @@ mod tests {
             "a".repeat(MAX_TEMPLATE_BYTES - 48)
         );
         assert_eq!(longest.len(), MAX_TEMPLATE_BYTES);
-        assert_eq!(validate(&longest, false), Ok(()));
+        assert_eq!(validate(&longest, PLAIN), Ok(()));
     }
 
     #[test]
@@ -345,14 +366,14 @@ mod tests {
             "reports/{stream}-{partition}-{first_offset}.xml",
         ] {
             assert_eq!(
-                refused(template, false, "must start with reports/{stream}/"),
+                refused(template, PLAIN, "must start with reports/{stream}/"),
                 TemplateError::OutsideStreamSpace,
                 "{template}"
             );
         }
         // A leading '/' is an empty first segment, named as such.
         assert_eq!(
-            validate("/reports/{stream}/{partition}-{first_offset}.xml", false),
+            validate("/reports/{stream}/{partition}-{first_offset}.xml", PLAIN),
             Err(TemplateError::EmptySegment { at: 0 })
         );
         let message = TemplateError::OutsideStreamSpace.to_string();
@@ -361,18 +382,35 @@ mod tests {
     }
 
     #[test]
-    fn the_extension_follows_gzip() {
+    fn the_extension_follows_the_compression() {
         let plain = "reports/{stream}/{partition}-{first_offset}.xml";
         let compressed = "reports/{stream}/{partition}-{first_offset}.xml.gz";
-        assert_eq!(validate(plain, false), Ok(()));
-        assert_eq!(validate(compressed, true), Ok(()));
+        let zstd = "reports/{stream}/{partition}-{first_offset}.xml.zst";
+        let zstd_stored = Some(Compression::Zstd);
+        assert_eq!(validate(plain, PLAIN), Ok(()));
+        assert_eq!(validate(compressed, GZIP), Ok(()));
+        assert_eq!(validate(zstd, zstd_stored), Ok(()));
         assert_eq!(
-            refused(plain, true, "must end with .xml.gz"),
-            TemplateError::WrongExtension { gzip: true }
+            refused(plain, GZIP, "must end with .xml.gz"),
+            TemplateError::WrongExtension { compression: GZIP }
         );
         assert_eq!(
-            refused(compressed, false, "must end with .xml,"),
-            TemplateError::WrongExtension { gzip: false }
+            refused(compressed, PLAIN, "must end with .xml,"),
+            TemplateError::WrongExtension { compression: PLAIN }
+        );
+        assert_eq!(
+            refused(
+                compressed,
+                zstd_stored,
+                "must end with .xml.zst, since the definition stores Zstandard"
+            ),
+            TemplateError::WrongExtension {
+                compression: zstd_stored
+            }
+        );
+        assert_eq!(
+            refused(zstd, GZIP, "must end with .xml.gz"),
+            TemplateError::WrongExtension { compression: GZIP }
         );
         for template in [
             "reports/{stream}/{partition}-{first_offset}",
@@ -381,8 +419,8 @@ mod tests {
             "reports/{stream}/{partition}-{first_offset}.xml/x",
         ] {
             assert_eq!(
-                refused(template, false, "gzip: false"),
-                TemplateError::WrongExtension { gzip: false }
+                refused(template, PLAIN, "stores plain XML"),
+                TemplateError::WrongExtension { compression: PLAIN }
             );
         }
     }
@@ -392,7 +430,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{stream}/{partition}.xml",
-                false,
+                PLAIN,
                 "it has no {first_offset}"
             ),
             TemplateError::MissingPlaceholder {
@@ -402,7 +440,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{stream}/{first_offset}.xml",
-                false,
+                PLAIN,
                 "it has no {partition}"
             ),
             TemplateError::MissingPlaceholder {
@@ -411,14 +449,14 @@ mod tests {
         );
         let error = refused(
             "reports/{stream}/{yyyy}.xml",
-            false,
+            PLAIN,
             "it has no {partition} or {first_offset}",
         );
         assert!(error.to_string().contains("unique"), "{error}");
         // Written as plain text, they are not placeholders.
         refused(
             "reports/{stream}/partition-first_offset.xml",
-            false,
+            PLAIN,
             "must contain {partition}",
         );
     }
@@ -435,17 +473,17 @@ mod tests {
             ("reports/~/{partition}-{first_offset}.xml", '~', 8),
         ] {
             assert_eq!(
-                refused(template, false, &format!("{character:?}")),
+                refused(template, PLAIN, &format!("{character:?}")),
                 TemplateError::BadCharacter { character, at }
             );
         }
         refused(
             "reports/a b/{partition}-{first_offset}.xml",
-            false,
+            PLAIN,
             "contains ' ' at offset 9; outside placeholders only",
         );
         let every_allowed = "reports/{stream}/AZaz09_-=.x/{partition}-{first_offset}.xml";
-        assert_eq!(validate(every_allowed, false), Ok(()));
+        assert_eq!(validate(every_allowed, PLAIN), Ok(()));
     }
 
     #[test]
@@ -453,7 +491,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports//{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "empty path segment"
             ),
             TemplateError::EmptySegment { at: 8 }
@@ -461,13 +499,13 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{stream}//{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "\"//\""
             ),
             TemplateError::EmptySegment { at: 17 }
         );
         assert_eq!(
-            refused("reports/./{partition}-{first_offset}.xml", false, "\".\""),
+            refused("reports/./{partition}-{first_offset}.xml", PLAIN, "\".\""),
             TemplateError::DotSegment {
                 segment: ".",
                 at: 8
@@ -476,7 +514,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{stream}/../{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "\"..\""
             ),
             TemplateError::DotSegment {
@@ -492,7 +530,7 @@ mod tests {
             "reports/{stream}/.../{partition}-{first_offset}.xml",
             "reports/{stream}/{partition}/{first_offset}.xml",
         ] {
-            assert_eq!(validate(template, false), Ok(()), "{template}");
+            assert_eq!(validate(template, PLAIN), Ok(()), "{template}");
         }
     }
 
@@ -504,7 +542,7 @@ mod tests {
             "{stream}".repeat(7)
         );
         assert_eq!(
-            refused(&template, false, "1064 bytes"),
+            refused(&template, PLAIN, "1064 bytes"),
             TemplateError::KeyTooLong { longest: 1064 }
         );
         // Seven fit: 936 bytes.
@@ -512,21 +550,21 @@ mod tests {
             "reports/{{stream}}/{}/{{partition}}-{{first_offset}}.xml",
             "{stream}".repeat(6)
         );
-        assert_eq!(validate(&template, false), Ok(()));
+        assert_eq!(validate(&template, PLAIN), Ok(()));
         // Exactly 1024 bytes: seven streams and 88 more literal bytes.
         let template = format!(
             "reports/{{stream}}/{}{}/{{partition}}-{{first_offset}}.xml",
             "{stream}".repeat(6),
             "a".repeat(88)
         );
-        assert_eq!(validate(&template, false), Ok(()));
+        assert_eq!(validate(&template, PLAIN), Ok(()));
         let template = format!(
             "reports/{{stream}}/{}{}/{{partition}}-{{first_offset}}.xml",
             "{stream}".repeat(6),
             "a".repeat(89)
         );
         assert_eq!(
-            refused(&template, false, "S3 keys are at most 1024"),
+            refused(&template, PLAIN, "S3 keys are at most 1024"),
             TemplateError::KeyTooLong { longest: 1025 }
         );
     }

@@ -2,7 +2,7 @@
 //! lists, and the media type each object is stored and served with.
 //!
 //! - `reports/{stream}/{partition:05}-{first_offset:020}.xml` (`.xml.gz`
-//!   when the definition asks for gzip): one document, keyed by where it
+//!   or `.xml.zst` when the definition asks for gzip or zstd): one document, keyed by where it
 //!   begins in the log, zero-padded so keys sort in log order; a
 //!   definition's `key_template` places it elsewhere under `reports/`
 //!   ([`document_key`]);
@@ -17,6 +17,7 @@
 //! quire-s3 knows none of this: its callers give it keys, content types and
 //! retention prefixes from here.
 
+use crate::compression::{Compression, report_extension, strip_report_extension};
 use crate::key_template::{self, KeyParts};
 use crate::window::CivilHour;
 use crate::{Definition, LogTag, ReportId, StreamName};
@@ -40,13 +41,9 @@ pub const WINDOWS_PREFIX: &str = "windows/";
 /// then the window index's copies.
 pub const RETENTION_PREFIXES: [&str; 3] = [REPORTS_PREFIX, MANIFESTS_PREFIX, WINDOWS_PREFIX];
 
-/// The media type of a plain report.
-pub const XML_CONTENT_TYPE: &str = "application/xml";
-/// The media type of a gzip-compressed report: the object is the gzip file
-/// itself (not XML with a `Content-Encoding`), so what a client downloads is
-/// byte for byte what the manifest's SHA-256 covers, whatever its HTTP stack
-/// decodes on its own.
-pub const GZIP_CONTENT_TYPE: &str = "application/gzip";
+pub use crate::compression::{
+    GZIP_CONTENT_TYPE, XML_CONTENT_TYPE, ZSTD_CONTENT_TYPE, report_content_type,
+};
 /// The media type of manifests and definitions.
 pub const JSON_CONTENT_TYPE: &str = "application/json";
 /// The media type of a typed definition's XML Schema (`schemas/{stream}/{digest}.xsd`).
@@ -59,13 +56,13 @@ pub fn report_key(
     stream: &StreamName,
     partition: i32,
     first_offset: i64,
-    gzip: bool,
+    compression: Option<Compression>,
     log: Option<&LogTag>,
 ) -> String {
-    let extension = if gzip { "xml.gz" } else { "xml" };
     format!(
-        "{REPORTS_PREFIX}{stream}/{partition:05}-{first_offset:020}{}.{extension}",
-        log_suffix(log)
+        "{REPORTS_PREFIX}{stream}/{partition:05}-{first_offset:020}{}{}",
+        log_suffix(log),
+        report_extension(compression)
     )
 }
 
@@ -104,35 +101,40 @@ pub fn document_key(
     log: Option<&LogTag>,
 ) -> String {
     match &definition.key_template {
-        Some(template) if key_template::validate(template, definition.gzip).is_ok() => tagged(
-            key_template::render(
-                template,
-                &KeyParts {
-                    stream: stream.as_str(),
-                    year: hour.year,
-                    month: hour.month,
-                    day: hour.day,
-                    hour: hour.hour,
-                    partition,
-                    first_offset,
-                },
-            ),
+        Some(template) if key_template::validate(template, definition.compression()).is_ok() => {
+            tagged(
+                key_template::render(
+                    template,
+                    &KeyParts {
+                        stream: stream.as_str(),
+                        year: hour.year,
+                        month: hour.month,
+                        day: hour.day,
+                        hour: hour.hour,
+                        partition,
+                        first_offset,
+                    },
+                ),
+                log,
+            )
+        }
+        _ => report_key(
+            stream,
+            partition,
+            first_offset,
+            definition.compression(),
             log,
         ),
-        _ => report_key(stream, partition, first_offset, definition.gzip, log),
     }
 }
 
-/// `key` with `~{tag}` before its extension (`.xml` or `.xml.gz`, which
-/// every template ends with).
+/// `key` with `~{tag}` before its extension (`.xml`, `.xml.gz` or
+/// `.xml.zst`, which every template ends with).
 fn tagged(key: String, log: Option<&LogTag>) -> String {
     let Some(tag) = log else {
         return key;
     };
-    let at = key
-        .strip_suffix(".xml.gz")
-        .or_else(|| key.strip_suffix(".xml"))
-        .map_or(key.len(), str::len);
+    let at = strip_report_extension(&key).map_or(key.len(), str::len);
     format!("{}~{tag}{}", &key[..at], &key[at..])
 }
 
@@ -141,7 +143,7 @@ fn tagged(key: String, log: Option<&LogTag>) -> String {
 /// aborting an upload that is not the partition's kills a live document of
 /// another owner: the key must be
 /// `reports/{stream}/[{segment}/...]{partition:05}-{20 digits}.xml` (or
-/// `.xml.gz`), with a valid stream name as its first segment, no empty
+/// `.xml.gz`, `.xml.zst`), with a valid stream name as its first segment, no empty
 /// segment, and the file name exactly that, nothing before or after but a
 /// later log's `~{tag}` (12 lowercase hex digits) before the extension:
 /// quire alone puts a `~` in a key (no template and no stream name holds
@@ -180,10 +182,7 @@ pub fn report_key_belongs_to(key: &str, partition: i32) -> bool {
     let file_name = below_stream
         .rsplit_once('/')
         .map_or(below_stream, |(_, file_name)| file_name);
-    let Some(stem) = file_name
-        .strip_suffix(".xml")
-        .or_else(|| file_name.strip_suffix(".xml.gz"))
-    else {
+    let Some(stem) = strip_report_extension(file_name) else {
         return false;
     };
     let stem = match stem.split_once('~') {
@@ -228,22 +227,14 @@ pub fn definition_key(stream: &StreamName) -> String {
     format!("{DEFINITIONS_PREFIX}{stream}.json")
 }
 
-/// The media type a report is stored and served with, from its key.
-pub fn report_content_type(key: &str) -> &'static str {
-    if key.ends_with(".gz") {
-        GZIP_CONTENT_TYPE
-    } else {
-        XML_CONTENT_TYPE
-    }
-}
-
 /// The media type of any object quire stores, from its key's extension
-/// (a report's `.xml` or `.xml.gz`, a manifest's or definition's `.json`);
+/// (a report's `.xml`, `.xml.gz` or `.xml.zst`, a manifest's or definition's `.json`);
 /// `None` for keys quire does not make.
 pub fn content_type_for_key(key: &str) -> Option<&'static str> {
     let (_, extension) = key.rsplit_once('.')?;
     match extension {
         "gz" => Some(GZIP_CONTENT_TYPE),
+        "zst" => Some(ZSTD_CONTENT_TYPE),
         "xml" => Some(XML_CONTENT_TYPE),
         "json" => Some(JSON_CONTENT_TYPE),
         _ => None,
@@ -262,18 +253,18 @@ mod tests {
     fn report_keys_sort_in_log_order() {
         let stream = orders();
         assert_eq!(
-            report_key(&stream, 3, 42, false, None),
+            report_key(&stream, 3, 42, None, None),
             "reports/orders/00003-00000000000000000042.xml"
         );
-        assert!(report_key(&stream, 3, 9, false, None) < report_key(&stream, 3, 10, false, None));
-        let compressed = report_key(&stream, 3, 9, true, None);
+        assert!(report_key(&stream, 3, 9, None, None) < report_key(&stream, 3, 10, None, None));
+        let compressed = report_key(&stream, 3, 9, Some(Compression::Gzip), None);
         assert_eq!(
             compressed,
             "reports/orders/00003-00000000000000000009.xml.gz"
         );
         assert_eq!(report_content_type(&compressed), GZIP_CONTENT_TYPE);
         assert_eq!(
-            report_content_type(&report_key(&stream, 3, 9, false, None)),
+            report_content_type(&report_key(&stream, 3, 9, None, None)),
             XML_CONTENT_TYPE
         );
     }
@@ -296,13 +287,32 @@ mod tests {
 
     #[test]
     fn a_report_key_belongs_to_the_partition_it_names() {
-        let key = report_key(&StreamName::new("a.b-c").unwrap(), 7, 12, true, None);
+        let key = report_key(
+            &StreamName::new("a.b-c").unwrap(),
+            7,
+            12,
+            Some(Compression::Gzip),
+            None,
+        );
         assert!(report_key_belongs_to(&key, 7));
+        let zstd = report_key(
+            &StreamName::new("a.b-c").unwrap(),
+            7,
+            12,
+            Some(Compression::Zstd),
+            None,
+        );
+        assert!(
+            zstd.ends_with("00007-00000000000000000012.xml.zst"),
+            "{zstd}"
+        );
+        assert!(report_key_belongs_to(&zstd, 7));
+        assert!(!report_key_belongs_to(&zstd, 8));
         let later = report_key(
             &StreamName::new("a.b-c").unwrap(),
             7,
             12,
-            true,
+            Some(Compression::Gzip),
             Some(&LogTag::of("later")),
         );
         assert!(later.ends_with(&format!(
@@ -329,7 +339,7 @@ mod tests {
         );
         assert_eq!(tagged("reports/o/x.xml".into(), None), "reports/o/x.xml");
         let stream = StreamName::new("a.b-c").unwrap();
-        let later = report_key(&stream, 7, 12, true, Some(&tag));
+        let later = report_key(&stream, 7, 12, Some(Compression::Gzip), Some(&tag));
         assert!(later.ends_with(&format!("00007-00000000000000000012~{tag}.xml.gz")));
         assert!(report_key_belongs_to(&later, 7));
         assert!(!report_key_belongs_to(&later, 8));
@@ -404,7 +414,7 @@ mod tests {
         };
         assert_eq!(
             document_key(&stream, 3, 42, &hostile, hour, None),
-            report_key(&stream, 3, 42, false, None)
+            report_key(&stream, 3, 42, None, None)
         );
         let hive = Definition {
             key_template: Some(
@@ -423,6 +433,10 @@ mod tests {
         assert_eq!(
             content_type_for_key("reports/orders/00003-00000000000000000009.xml.gz"),
             Some(GZIP_CONTENT_TYPE)
+        );
+        assert_eq!(
+            content_type_for_key("reports/orders/00003-00000000000000000009.xml.zst"),
+            Some(ZSTD_CONTENT_TYPE)
         );
         assert_eq!(
             content_type_for_key("reports/orders.eu/00003-00000000000000000009.xml"),

@@ -22,6 +22,7 @@
 //! Everything that decides a document's content is in that log.
 
 pub mod batch;
+pub mod compression;
 mod definition;
 pub mod events;
 pub mod fields;

@@ -112,6 +112,7 @@
 
 mod check;
 mod clean;
+pub mod compress;
 mod duplicates;
 mod indent;
 mod keys;

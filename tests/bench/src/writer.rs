@@ -24,6 +24,13 @@
 //! default); `large_writer_sha256` and `large_writer_no_checksum` are the
 //! same document with SHA-256 part checksums and with none, and the
 //! checksum lines give each against the one without.
+//!
+//! `xml_plain`, `xml_gzip` and `xml_zstd` store the same document of
+//! rendered XML records (an 8 MiB run of distinct records, repeated, so no
+//! compressor's window sees a repeat) through the worker's compressors
+//! (`quire_xml::compress`) and our writer; the compression lines give each
+//! one's throughput in XML bytes per second against the plain one's, and its
+//! ratio (XML bytes over stored bytes).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,11 +38,13 @@ use std::time::Instant;
 use anyhow::Context;
 use bytes::Bytes;
 use quire_config::ChecksumChoice;
+use quire_messages::compression::Compression;
 use quire_s3::aws_sdk_s3::Client;
 use quire_s3::aws_sdk_s3::primitives::ByteStream;
 use quire_s3::aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use quire_s3::{S3Bucket, UploadPolicy};
 use quire_tests::s3::{TestBucket, s3_settings};
+use quire_xml::compress::Compressor;
 use tokio::io::AsyncWriteExt;
 
 use crate::child::{self, ScenarioResult};
@@ -118,6 +127,9 @@ const SCENARIOS: &[(&str, &str)] = &[
         "large_writer_no_checksum",
         "as large_writer, no S3 checksum",
     ),
+    ("xml_plain", "our writer, XML records, not compressed"),
+    ("xml_gzip", "as xml_plain, through the gzip compressor"),
+    ("xml_zstd", "as xml_plain, through the zstd compressor"),
     ("tiny_appends_unsigned", "as tiny_appends, unsigned payload"),
     ("object_store_unsigned", "as object_store, unsigned payload"),
     ("large_writer_unsigned", "as large_writer, unsigned payload"),
@@ -239,6 +251,33 @@ pub async fn run(args: WriterArgs) -> anyhow::Result<()> {
             none.peak_rss_bytes as f64 / MIB as f64,
         );
     }
+    // Compression: XML bytes per second against the plain document's, and
+    // the ratio of the same document (compressed again here, untimed: the
+    // compressors are deterministic, so these are the bytes it stored).
+    let plain_xml = find("xml_plain");
+    let document = XmlDocument::new(parameters.large_bytes);
+    for (label, compression) in [
+        ("none", None),
+        ("gzip", Some(Compression::Gzip)),
+        ("zstd", Some(Compression::Zstd)),
+    ] {
+        let summary = find(match compression {
+            None => "xml_plain",
+            Some(Compression::Gzip) => "xml_gzip",
+            Some(Compression::Zstd) => "xml_zstd",
+        });
+        let stored = document.stored_bytes(compression)?;
+        println!(
+            "compression {label}: time vs none={:.2} (median) {:.2} (best); {:.0} MiB/s of XML; ratio {:.2} ({} MiB of XML stored as {:.1} MiB); peak RSS {:.0} MiB",
+            summary.median_seconds / plain_xml.median_seconds,
+            summary.best_seconds / plain_xml.best_seconds,
+            summary.median_bytes_per_second / MIB as f64,
+            parameters.large_bytes as f64 / stored as f64,
+            parameters.large_bytes / MIB,
+            stored as f64 / MIB as f64,
+            summary.peak_rss_bytes as f64 / MIB as f64,
+        );
+    }
     drop(bucket);
     // The headline: medians, defaults (payloads signed on every side).
     println!(
@@ -347,6 +386,9 @@ pub async fn scenario(name: &str, args: &[String]) -> anyhow::Result<(f64, f64)>
             .await?
         }
         "large_ceiling" => large_ceiling(&client, &parameters, sign_payload, &key).await?,
+        "xml_plain" => large_xml(&client, &parameters, None, &key).await?,
+        "xml_gzip" => large_xml(&client, &parameters, Some(Compression::Gzip), &key).await?,
+        "xml_zstd" => large_xml(&client, &parameters, Some(Compression::Zstd), &key).await?,
         _ => anyhow::bail!("unknown writer scenario {name}"),
     };
     // Untimed: keep the server's disk small across rounds.
@@ -545,6 +587,106 @@ async fn large_writer(
         policy.memory_bound() / MIB as u64
     );
     Ok((seconds, written.bytes as f64))
+}
+
+/// A document of rendered XML records: an 8 MiB run of distinct records
+/// (values from a fixed-seed generator), repeated up to its size; fed in
+/// 64 KiB appends, as a worker appends a message's records.
+struct XmlDocument {
+    run: Vec<u8>,
+    bytes: usize,
+}
+
+impl XmlDocument {
+    const RUN_BYTES: usize = 8 * MIB;
+    const APPEND_SIZE: usize = 64 * 1024;
+
+    fn new(bytes: usize) -> Self {
+        let mut run = Vec::with_capacity(Self::RUN_BYTES + 1024);
+        let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut sequence = 0u64;
+        while run.len() < Self::RUN_BYTES {
+            let (id, customer, cents, note) =
+                (next(), next() % 5000, next() % 10_000_000, next() % 40);
+            run.extend_from_slice(
+                format!(
+                    "<record seq=\"{sequence}\"><id>ord-{id:016x}</id><customer>cust-{customer:04}</customer><amount>{}.{:02}</amount><currency>EUR</currency><note>{}</note></record>\n",
+                    cents / 100,
+                    cents % 100,
+                    "n".repeat(note as usize)
+                )
+                .as_bytes(),
+            );
+            sequence += 1;
+        }
+        run.truncate(Self::RUN_BYTES);
+        XmlDocument { run, bytes }
+    }
+
+    /// Its appends, in order.
+    fn appends(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.bytes).step_by(Self::APPEND_SIZE).map(|start| {
+            let offset = start % Self::RUN_BYTES;
+            let length = Self::APPEND_SIZE
+                .min(Self::RUN_BYTES - offset)
+                .min(self.bytes - start);
+            &self.run[offset..offset + length]
+        })
+    }
+
+    /// Bytes stored under `compression`.
+    fn stored_bytes(&self, compression: Option<Compression>) -> anyhow::Result<u64> {
+        let Some(compression) = compression else {
+            return Ok(self.bytes as u64);
+        };
+        let mut compressor = Compressor::new(compression)?;
+        let mut stored = 0;
+        for append in self.appends() {
+            stored += compressor.compress(append)?.len() as u64;
+        }
+        Ok(stored + compressor.finish()?.0.len() as u64)
+    }
+}
+
+/// The XML document through the compressor (if any) and our writer; its
+/// units are XML bytes.
+async fn large_xml(
+    client: &Client,
+    parameters: &ScenarioParameters,
+    compression: Option<Compression>,
+    key: &str,
+) -> anyhow::Result<(f64, f64)> {
+    let document = XmlDocument::new(parameters.large_bytes);
+    let bucket = bucket_handle(client, parameters);
+    let policy = parameters.policy(true);
+    let started = Instant::now();
+    let mut writer = bucket.writer(key, &policy)?;
+    let mut compressor = compression.map(Compressor::new).transpose()?;
+    for append in document.appends() {
+        match &mut compressor {
+            None => writer.append(append).await?,
+            Some(compressor) => {
+                let compressed = compressor.compress(append)?;
+                if !compressed.is_empty() {
+                    writer.append(compressed).await?;
+                }
+            }
+        }
+    }
+    if let Some(compressor) = compressor {
+        writer.append(&compressor.finish()?.0).await?;
+    }
+    writer.finish().await?;
+    Ok((
+        started.elapsed().as_secs_f64(),
+        parameters.large_bytes as f64,
+    ))
 }
 
 /// The ceiling: the same bytes already in memory, sent as parts of the same

@@ -221,8 +221,11 @@ mod tests {
             br#"{"record":"summary"}"#,
             br#"{"renames":{"a":"x","b":"x"}}"#,
             br#"{"v":99}"#,
-            // Newer than Definition::NEWEST_VERSION (6, the indent's).
-            br#"{"v":7,"gzip":true}"#,
+            // Newer than Definition::NEWEST_VERSION (7, zstd's).
+            br#"{"v":8,"gzip":true}"#,
+            br#"{"gzip":true,"zstd":true}"#,
+            br#"{"zstd":true,"key_template":"reports/{stream}/{partition}-{first_offset}.xml.gz"}"#,
+            br#"{"zstd":"yes"}"#,
             br#"{"indent":0}"#,
             br#"{"indent":9}"#,
             br#"{"indent":"  "}"#,

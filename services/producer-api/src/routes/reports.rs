@@ -256,12 +256,10 @@ async fn completed_manifest(state: &Reports, id: ReportId) -> Result<Manifest, A
 /// The name a download is saved under: the report id (whose characters are
 /// fixed), never the key a definition shaped.
 fn download_name(id: &ReportId, key: &str) -> String {
-    let extension = if key.ends_with(".gz") {
-        "xml.gz"
-    } else {
-        "xml"
-    };
-    format!("{id}.{extension}")
+    let extension = quire_messages::compression::report_extension(
+        quire_messages::compression::Compression::of_key(key),
+    );
+    format!("{id}{extension}")
 }
 
 /// A presigned URL of a completed report's document (`manifest` comes from
@@ -385,8 +383,8 @@ pub async fn get_report_content(
             }
         }
     };
-    // A gzip report is served as the gzip file it is (`application/gzip`,
-    // no Content-Encoding), so clients that decode Content-Encoding on their
+    // A compressed report is served as the file it is (`application/gzip`
+    // or `application/zstd`, no Content-Encoding), so clients that decode Content-Encoding on their
     // own still receive the bytes the manifest's SHA-256 covers.
     let content_type = quire_messages::layout::report_content_type(&manifest.key);
     let chunks = futures::stream::unfold(object.body, |mut body| async move {

@@ -34,20 +34,20 @@ impl Worker {
     pub(super) fn decide_timed_rollovers(&mut self, outbox: &mut Outbox) {
         let settings = &self.settings;
         let topics = &self.context.topics;
-        // Gzip compressors past worker.max_gzip_documents (they cannot spill).
+        // Compressors past worker.max_gzip_documents (they cannot spill).
         let open = self
             .partitions
             .values()
             .flat_map(|pipeline| pipeline.documents());
         for (partition, stream) in
-            crate::document::gzip_documents_to_cut(open, settings.max_gzip_documents.get())
+            crate::document::compressed_documents_to_cut(open, settings.max_gzip_documents.get())
         {
             if let Some(document) = self
                 .partitions
                 .get_mut(&partition)
                 .and_then(|pipeline| pipeline.document_mut(&stream))
             {
-                tracing::info!(partition, %stream, max_gzip_documents = settings.max_gzip_documents, "gzip documents past their bound: cutting");
+                tracing::info!(partition, %stream, max_gzip_documents = settings.max_gzip_documents, "compressed documents past their bound: cutting");
                 request_cut(&topics.records, document, Trigger::Memory, outbox);
             }
         }

@@ -5,6 +5,7 @@
 
 use super::pieces::{Piece, Pieces, Placeholder};
 use crate::StreamName;
+use crate::compression::REPORT_EXTENSIONS;
 
 /// One character of a partition's file name, as the take-over sweep reads
 /// it: a digit, or exactly this character.
@@ -35,10 +36,11 @@ fn partition_file_shape(extension: &str) -> Vec<NameChar> {
 
 /// Whether the template file name `file_name` (its last segment, syntax
 /// already checked) can render, for some stream and some values of its
-/// placeholders, to `{5 digits}-{20 digits}.xml` or `.xml.gz`.
+/// placeholders, to `{5 digits}-{20 digits}` and a report extension
+/// (`.xml`, `.xml.gz` or `.xml.zst`).
 ///
 /// Why it matters: the take-over sweep, which has only keys to go on, aborts
-/// the uploads whose file name is `{p:05}-{20 digits}.xml(.gz)` when it takes
+/// the uploads whose file name is `{p:05}-{20 digits}.xml(.gz|.zst)` when it takes
 /// partition p. A template such as `reports/{stream}/{partition}/00007-{first_offset}.xml`
 /// would give a document of partition 3 the file name of partition 7, and
 /// the worker taking partition 7 would abort that live upload (failing the
@@ -53,7 +55,7 @@ fn partition_file_shape(extension: &str) -> Vec<NameChar> {
 /// match any character of the shape. A walk over the pieces keeps the set of
 /// positions of the shape the text so far can end at.
 pub(super) fn could_look_like_a_partition_file(file_name: &str) -> bool {
-    [".xml", ".xml.gz"].into_iter().any(|extension| {
+    REPORT_EXTENSIONS.into_iter().any(|extension| {
         let shape = partition_file_shape(extension);
         let mut reachable = vec![false; shape.len() + 1];
         reachable[0] = true;
@@ -101,52 +103,56 @@ pub(super) fn could_look_like_a_partition_file(file_name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use crate::key_template::tests::refused;
+    use crate::key_template::tests::{GZIP, PLAIN, refused};
     use crate::key_template::{TemplateError, validate};
 
     #[test]
     fn a_file_name_that_could_pass_for_a_partitions_is_refused() {
         // The sweep of partition 7 would take these documents of any
         // partition for its own and abort their live uploads.
-        for (template, gzip) in [
+        for (template, compression) in [
             (
                 "reports/{stream}/{partition}/00007-{first_offset}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{partition}/00007-{first_offset}.xml.gz",
-                true,
+                GZIP,
             ),
             (
                 "reports/{stream}/{partition}/{yyyy}7-{first_offset}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{partition}/{mm}{dd}7-{first_offset}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{partition}/{first_offset}/{stream}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{first_offset}/{stream}{partition}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{partition}/{stream}{first_offset}.xml",
-                false,
+                PLAIN,
             ),
             (
                 "reports/{stream}/{partition}-{first_offset}/{stream}.xml.gz",
-                true,
+                GZIP,
+            ),
+            (
+                "reports/{stream}/{partition}/00007-{first_offset}.xml.zst",
+                Some(crate::compression::Compression::Zstd),
             ),
             (
                 "reports/{stream}/{first_offset}/00007-000000000000000{partition}.xml",
-                false,
+                PLAIN,
             ),
         ] {
-            let error = refused(template, gzip, "the take-over sweep");
+            let error = refused(template, compression, "the take-over sweep");
             assert!(
                 matches!(error, TemplateError::LooksLikeAPartitionFile { .. }),
                 "{template}: {error}"
@@ -166,11 +172,11 @@ mod tests {
             "reports/{stream}/{partition}/{mm}{dd}{hh}-{first_offset}.xml",
             "reports/{stream}/{first_offset}/{stream}-{partition}.xml",
         ] {
-            assert_eq!(validate(template, false), Ok(()), "{template}");
+            assert_eq!(validate(template, PLAIN), Ok(()), "{template}");
         }
         let error = refused(
             "reports/{stream}/{partition}/00007-{first_offset}.xml",
-            false,
+            PLAIN,
             "\"00007-{first_offset}.xml\"",
         );
         assert!(

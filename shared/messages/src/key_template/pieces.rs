@@ -143,7 +143,7 @@ impl<'a> Iterator for Pieces<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key_template::tests::refused;
+    use crate::key_template::tests::{PLAIN, refused};
     use crate::key_template::{PLACEHOLDERS, placeholder_list};
 
     #[test]
@@ -161,7 +161,7 @@ mod tests {
     fn unknown_placeholders_are_named() {
         let error = refused(
             "reports/{date}/{partition}-{first_offset}.xml",
-            false,
+            PLAIN,
             "unknown placeholder {date}; use {stream}, {yyyy}, {mm}, {dd}, {hh}, {partition}, {first_offset}",
         );
         assert_eq!(
@@ -183,7 +183,7 @@ mod tests {
             ),
         ] {
             assert_eq!(
-                refused(template, false, &format!("{{{name}}}")),
+                refused(template, PLAIN, &format!("{{{name}}}")),
                 TemplateError::UnknownPlaceholder {
                     name: name.to_owned()
                 }
@@ -196,7 +196,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{partition}-{first_offset.xml",
-                false,
+                PLAIN,
                 "never closed"
             ),
             TemplateError::UnclosedBrace { at: 20 }
@@ -204,7 +204,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{stream/{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "do not nest"
             ),
             TemplateError::NestedBrace { at: 8, inner: 16 }
@@ -212,7 +212,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{{stream}}/{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "do not nest"
             ),
             TemplateError::NestedBrace { at: 8, inner: 9 }
@@ -220,7 +220,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/stream}/{partition}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "closes no placeholder"
             ),
             TemplateError::StrayBrace { at: 14 }
@@ -228,7 +228,7 @@ mod tests {
         assert_eq!(
             refused(
                 "reports/{partition}}-{first_offset}.xml",
-                false,
+                PLAIN,
                 "'}' at offset 19"
             ),
             TemplateError::StrayBrace { at: 19 }

@@ -41,6 +41,7 @@ impl fmt::Display for Rendered<'_, '_> {
 mod tests {
     use super::*;
     use crate::StreamName;
+    use crate::key_template::tests::{GZIP, PLAIN};
     use crate::key_template::validate;
 
     const HIVE: &str = "reports/{stream}/dt={yyyy}-{mm}-{dd}/{partition}-{first_offset}.xml";
@@ -59,13 +60,13 @@ mod tests {
 
     #[test]
     fn the_hive_example_renders_as_documented() {
-        assert_eq!(validate(HIVE, false), Ok(()));
+        assert_eq!(validate(HIVE, PLAIN), Ok(()));
         assert_eq!(
             render(HIVE, &parts(3, 42)),
             "reports/orders/dt=2026-03-29/00003-00000000000000000042.xml"
         );
         let hourly = "reports/{stream}/{yyyy}/{mm}/{dd}/{hh}/{partition}-{first_offset}.xml";
-        assert_eq!(validate(hourly, false), Ok(()));
+        assert_eq!(validate(hourly, PLAIN), Ok(()));
         assert_eq!(
             render(hourly, &parts(3, 42)),
             "reports/orders/2026/03/29/05/00003-00000000000000000042.xml"
@@ -75,11 +76,17 @@ mod tests {
     #[test]
     fn the_default_layout_is_a_valid_template() {
         let template = "reports/{stream}/{partition}-{first_offset}.xml.gz";
-        assert_eq!(validate(template, true), Ok(()));
+        assert_eq!(validate(template, GZIP), Ok(()));
         let stream = StreamName::new("orders").unwrap();
         assert_eq!(
             render(template, &parts(3, 42)),
-            crate::layout::report_key(&stream, 3, 42, true, None)
+            crate::layout::report_key(
+                &stream,
+                3,
+                42,
+                Some(crate::compression::Compression::Gzip),
+                None
+            )
         );
     }
 
