@@ -234,6 +234,11 @@ mod tests {
         for compression in Compression::ALL {
             let (body, _) = stream(compression, &records);
             let mut stored = Compressor::whole(compression, &head).unwrap();
+            assert_eq!(
+                stored,
+                Compressor::whole(compression, &head).unwrap(),
+                "{compression}: the same head compresses to the same bytes"
+            );
             stored.extend_from_slice(&body);
             let mut expected = head.clone();
             expected.extend(records.concat());
